@@ -1,0 +1,24 @@
+"""flodl_opt: communication-efficient data-parallel training for PyTorch.
+
+Wrap the optimizer of an existing script in one line; ranks train locally and every K steps agree
+on a work-weighted consensus of their weights through one fused collective, optionally followed by
+an outer optimizer step (DiLoCo, SlowMo, EASGD).
+
+    import flodl_opt as flo
+    flo.init()
+    opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, sync_every=16)
+"""
+from .consensus import SyncStats
+from .errors import ConfigError, SyncError
+from .launch import (backend, device, init, is_initialized, launch_info, local_rank, local_size, rank,
+                     shutdown, size)
+from .optimizer import LocalSGDOptimizer
+from .outer import DiLoCo, EASGD, OuterAvg, OuterOptimizer, SlowMo, TorchOuter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "device",
+    "backend", "launch_info", "LocalSGDOptimizer", "SyncStats", "OuterOptimizer", "OuterAvg",
+    "DiLoCo", "SlowMo", "EASGD", "TorchOuter", "SyncError", "ConfigError",
+]

@@ -1,0 +1,21 @@
+"""Exceptions raised by flodl_opt."""
+
+
+class SyncError(RuntimeError):
+    """A sync's collective failed (timeout, dead peer, broken group).
+
+    The rank's params and buffers were restored to their pre-sync values when a pre-sync copy was
+    kept (the default), so nothing half-averaged survives. ``rank``, ``sync`` and ``cause`` say
+    where and why.
+    """
+
+    def __init__(self, rank: int, sync: int, cause: BaseException, restored: bool):
+        self.rank, self.sync, self.cause, self.restored = rank, sync, cause, restored
+        state = ("params and buffers restored to their pre-sync values" if restored else
+                 "params may be partially averaged (keep_presync=False)")
+        super().__init__(f"flodl_opt: sync #{sync} failed on rank {rank}: "
+                         f"{type(cause).__name__}: {cause}; {state}")
+
+
+class ConfigError(ValueError):
+    """Bad input: the message says what to change."""

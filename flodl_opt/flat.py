@@ -1,0 +1,106 @@
+"""Flat storage: the synced tensors live as views into one persistent buffer per dtype.
+
+Packing once at construction is what lets a sync be ONE in-place collective per buffer, with no
+``torch.cat`` and no allocation per sync. The parameters keep their identity (the same
+``Parameter`` objects, so the inner optimizer's state, hooks and the model all still see them);
+only their storage moves, once, into the flat buffer.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+import torch
+
+# Dtypes reduced as they are; anything narrower is staged to float32 for the reduction
+# (PREMUL_SUM in bf16 returns zeros on some NCCL builds, and fp16 sums lose digits).
+WIDE_DTYPES = (torch.float32, torch.float64)
+
+
+class FlatGroup:
+    """Same-device, same-dtype tensors packed into one contiguous buffer.
+
+    ``flat`` is the buffer; each tensor's ``.data`` is rebound to a view of it. ``reduce_view``
+    is what a collective reduces: ``flat`` itself for float32/float64, else a float32 staging copy
+    allocated on first use (the only extra memory narrow dtypes cost).
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], role: str):
+        if not tensors:
+            raise ValueError("FlatGroup needs at least one tensor")
+        first = tensors[0]
+        self.role = role
+        self.dtype = first.dtype
+        self.device = first.device
+        self.tensors: List[torch.Tensor] = list(tensors)
+        self.shapes = [tuple(t.shape) for t in tensors]
+        self.numel = sum(t.numel() for t in tensors)
+        self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        offset = 0
+        with torch.no_grad():
+            for t in self.tensors:
+                n = t.numel()
+                view = self.flat[offset:offset + n].view(t.shape)
+                view.copy_(t)
+                t.data = view
+                offset += n
+        self._ptrs = [t.data_ptr() for t in self.tensors]
+        self._staging: torch.Tensor | None = None
+
+    @property
+    def wide(self) -> bool:
+        return self.dtype in WIDE_DTYPES
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.dtype if self.wide else torch.float32
+
+    def staging(self) -> torch.Tensor:
+        """The float32 twin of a narrow-dtype buffer (allocated once, reused every sync)."""
+        if self.wide:
+            return self.flat
+        if self._staging is None:
+            self._staging = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        return self._staging
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.flat.element_size()
+
+    def check_bound(self) -> None:
+        """Fail loudly if a tensor no longer lives in the buffer (``model.to()``, ``p.data = ...``).
+
+        A sync would otherwise average a stale buffer and silently ignore the real weights.
+        """
+        for i, (t, ptr) in enumerate(zip(self.tensors, self._ptrs)):
+            if t.data_ptr() != ptr or t.dtype != self.dtype or t.device != self.device:
+                raise RuntimeError(
+                    f"flodl_opt: {self.role} #{i} (shape {tuple(t.shape)}) was replaced or moved after "
+                    f"the optimizer was wrapped (now {t.dtype} on {t.device}, was {self.dtype} on "
+                    f"{self.device}). Move the model (.to/.cuda/.half) and load weights before "
+                    "building LocalSGDOptimizer, or load them in place with "
+                    "model.load_state_dict / param.copy_.")
+
+
+def pack(tensors: Iterable[torch.Tensor], role: str) -> List[FlatGroup]:
+    """Group tensors by (device, dtype) in first-seen order and pack each group."""
+    by_key: "OrderedDict[Tuple[torch.device, torch.dtype], List[torch.Tensor]]" = OrderedDict()
+    for t in tensors:
+        by_key.setdefault((t.device, t.dtype), []).append(t)
+    return [FlatGroup(ts, role) for ts in by_key.values()]
+
+
+def unique(tensors: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    """Tensors in order, each once (tied weights appear once)."""
+    seen: Dict[int, None] = {}
+    out = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen[id(t)] = None
+            out.append(t)
+    return out
+
+
+def signature(groups: Sequence[FlatGroup]) -> List[Tuple[str, str, List[Tuple[int, ...]]]]:
+    """What must be identical on every rank for the collectives to line up."""
+    return [(g.role, str(g.dtype), g.shapes) for g in groups]

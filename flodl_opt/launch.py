@@ -1,0 +1,254 @@
+"""Launch discovery: who am I, how many are we, and the process group that joins us.
+
+``init()`` reads the rank and world size that the launcher left in the environment
+(torchrun, Open MPI, MPICH / Intel MPI, Slurm, or none: plain ``python`` is a world of one),
+picks NCCL on CUDA machines and Gloo elsewhere, and creates the default process group.
+A world of one creates no process group at all, so single-process scripts pay nothing.
+
+Example::
+
+    import flodl_opt as flo
+    flo.init()
+    print(f"rank {flo.rank()} of {flo.size()} on {flo.device()}")
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+# (launcher name, rank, size, local rank, local size) variables, in the order they are tried.
+# torchrun comes first: it may itself run inside an MPI or Slurm allocation.
+_LAUNCHERS = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    launcher: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+
+
+@dataclass
+class _World:
+    info: LaunchInfo
+    backend: str
+    device: torch.device
+    owns_group: bool
+
+
+_world: Optional[_World] = None
+
+
+def _int(env, name: str, default: Optional[int] = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise RuntimeError(f"flodl_opt.init: launcher variable {name} is missing")
+        return default
+    # Slurm writes SLURM_NTASKS_PER_NODE as "4" or "4(x2)" or "4,2": the first count is ours
+    # only on homogeneous allocations, which is what the local size is used for (thread count).
+    head = raw.split("(")[0].split(",")[0]
+    try:
+        return int(head)
+    except ValueError:
+        raise RuntimeError(f"flodl_opt.init: {name}={raw!r} is not an integer") from None
+
+
+def discover(env=None) -> LaunchInfo:
+    """Read rank, size, local rank and local size from the launcher's environment.
+
+    Returns a world of one when no launcher variables are set (plain ``python``).
+    """
+    env = os.environ if env is None else env
+    for name, r, s, lr, ls in _LAUNCHERS:
+        if r in env and s in env:
+            rank, size = _int(env, r), _int(env, s)
+            local_rank = _int(env, lr, default=rank)
+            local_size = _int(env, ls, default=size)
+            if name == "slurm" and "SLURM_STEP_NUM_TASKS" in env:
+                size = _int(env, "SLURM_STEP_NUM_TASKS")
+            if not 0 <= rank < size:
+                raise RuntimeError(f"flodl_opt.init: {name} rank {rank} is outside world size {size}")
+            return LaunchInfo(name, rank, size, local_rank, local_size)
+    return LaunchInfo("python", 0, 1, 0, 1)
+
+
+def _rendezvous_env(info: LaunchInfo) -> None:
+    """Fill MASTER_ADDR / MASTER_PORT for launchers that do not set them (MPI, Slurm)."""
+    if info.launcher == "torchrun":
+        return
+    if "MASTER_ADDR" not in os.environ:
+        if info.local_size >= info.size:  # every rank on this node
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+        else:
+            addr = _master_addr_over_mpi()
+            if addr is None:
+                raise RuntimeError(
+                    f"flodl_opt.init: {info.launcher} runs {info.size} ranks across several nodes but "
+                    "MASTER_ADDR is not set. Export MASTER_ADDR=<rank 0's host> (and MASTER_PORT) "
+                    "to every rank, e.g. `mpirun -x MASTER_ADDR=node0 ...`, or install mpi4py so "
+                    "rank 0's address can be broadcast over MPI.")
+            os.environ["MASTER_ADDR"] = addr
+    if "MASTER_PORT" not in os.environ:
+        # Every rank of one job must agree on the port without talking: derive it from the job id.
+        job = (os.environ.get("OMPI_MCA_ess_base_jobid") or os.environ.get("SLURM_JOB_ID")
+               or os.environ.get("PMI_ID") or os.environ.get("HYDRA_JOBID") or "flodl")
+        digest = int(hashlib.sha1(job.encode()).hexdigest()[:8], 16)
+        os.environ["MASTER_PORT"] = str(20000 + digest % 20000)
+
+
+def _master_addr_over_mpi() -> Optional[str]:
+    try:
+        from mpi4py import MPI  # optional: only for multi-node MPI launches without MASTER_ADDR
+    except ImportError:
+        return None
+    addr = socket.gethostbyname(socket.gethostname()) if MPI.COMM_WORLD.Get_rank() == 0 else None
+    return MPI.COMM_WORLD.bcast(addr, root=0)
+
+
+def _set_cpu_threads(info: LaunchInfo) -> None:
+    """Give each CPU rank its share of the physical cores, so co-located ranks do not fight."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import psutil
+
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    try:
+        cores = min(cores, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        pass
+    torch.set_num_threads(max(1, cores // max(1, info.local_size)))
+
+
+def init(backend: Optional[str] = None, timeout: Optional[datetime.timedelta] = None,
+         set_cpu_threads: bool = True) -> None:
+    """Discover the launch and join the process group. Idempotent.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available, else Gloo.
+        timeout: how long a collective may wait for its peers before it fails
+            (default 10 minutes). A sync stuck on a dead peer raises after this long.
+        set_cpu_threads: on CPU ranks without ``OMP_NUM_THREADS``, set torch's thread count to
+            physical cores / local ranks.
+
+    If ``torch.distributed`` is already initialized (for example by a DDP script), its default
+    group is adopted as is.
+    """
+    global _world
+    if _world is not None:
+        return
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    if dist.is_available() and dist.is_initialized():
+        rank, size = dist.get_rank(), dist.get_world_size()
+        found = discover()
+        local_rank = found.local_rank if found.size == size else rank
+        local_size = found.local_size if found.size == size else size
+        info = LaunchInfo(found.launcher if found.size == size else "external",
+                          rank, size, local_rank, local_size)
+        backend = dist.get_backend()
+        owns = False
+    else:
+        info = discover()
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        owns = info.size > 1
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"flodl_opt.init: backend must be 'nccl' or 'gloo', got {backend!r}")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("flodl_opt.init: backend='nccl' needs CUDA; use backend='gloo' on CPU")
+        device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if set_cpu_threads:
+            _set_cpu_threads(info)
+    if owns:
+        _rendezvous_env(info)
+        dist.init_process_group(backend, init_method="env://", rank=info.rank,
+                                world_size=info.size, timeout=timeout or DEFAULT_TIMEOUT)
+    _world = _World(info, backend, device, owns)
+
+
+def shutdown() -> None:
+    """Leave the process group that ``init()`` created (a no-op if none)."""
+    global _world
+    if _world is not None and _world.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _world = None
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def _require() -> _World:
+    if _world is None:
+        raise RuntimeError("flodl_opt is not initialized: call flodl_opt.init() first, on every rank")
+    return _world
+
+
+def rank() -> int:
+    return _require().info.rank
+
+
+def size() -> int:
+    return _require().info.size
+
+
+def local_rank() -> int:
+    return _require().info.local_rank
+
+
+def local_size() -> int:
+    return _require().info.local_size
+
+
+def device() -> torch.device:
+    """The device this rank computes on: ``cuda:local_rank`` under NCCL, else CPU."""
+    return _require().device
+
+
+def backend() -> str:
+    return _require().backend
+
+
+def launch_info() -> LaunchInfo:
+    return _require().info
+
+
+def ensure_init() -> None:
+    """Initialize implicitly only where that cannot be wrong: a world of one.
+
+    A launcher that started several ranks needs an explicit ``init()`` on every rank (as
+    Horovod does), so a forgotten call fails loudly instead of training N unsynced copies.
+    """
+    if _world is not None:
+        return
+    if dist.is_available() and dist.is_initialized():
+        init()
+        return
+    info = discover()
+    if info.size > 1:
+        raise RuntimeError(
+            f"flodl_opt is not initialized: this is rank {info.rank} of {info.size} ({info.launcher}); "
+            "call flodl_opt.init() on every rank before building a flodl_opt optimizer")
+    init()

@@ -1,0 +1,389 @@
+"""LocalSGDOptimizer: wrap any torch optimizer; ranks train locally and agree every K steps.
+
+The data path of one ``step()``::
+
+    clip (global norm)  ->  inner step  ->  scheduler step  ->  count  ->  every K steps: sync
+    sync = count -> reduce (one fused in-place collective per flat buffer) -> readout -> outer step
+
+Example (``torchrun --nproc-per-node 2 train.py``, or ``python train.py`` for one rank)::
+
+    import torch, flodl_opt as flo
+    flo.init()
+    model = torch.nn.Linear(10, 1)
+    opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                model=model, sync_every=16, max_grad_norm=1.0)
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.sync()   # end on a consensus
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import launch
+from .consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
+from .errors import ConfigError
+from .flat import FlatGroup, pack, signature, unique
+from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
+
+STATE_KEY = "flodl_opt"
+STATE_VERSION = 1
+# Config that must agree between a checkpoint and the optimizer loading it, and across ranks.
+_STRICT_CONFIG = ("sync_every", "warmup_steps", "gamma", "outer")
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside DistributedDataParallel (or anything with a ``.module``)."""
+    from torch.nn.parallel import DistributedDataParallel
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+class LocalSGDOptimizer(torch.optim.Optimizer):
+    """Local SGD around any torch optimizer, with a work-weighted consensus every ``sync_every`` steps.
+
+    Args:
+        optimizer: an already built torch optimizer (its ``param_groups`` are shared, not copied).
+        model: the model (or its DDP wrapper). Its float buffers (BatchNorm running stats) ride the
+            sync, and its trainable params are checked against the optimizer's.
+        sync_every: K, local steps between syncs (>= 1; K=1 is synchronous model averaging).
+        warmup_steps: sync after every step for the first N steps (post-local SGD).
+        outer: ``None``/``"avg"``, ``"diloco"``, ``"slowmo"``, ``"easgd"``, an ``OuterOptimizer``,
+            or a callable building a torch optimizer from a list of tensors.
+        max_grad_norm: clip gradients to this global norm before each inner step.
+        lr_scheduler: a scheduler built on ``optimizer``; stepped once per ``step()``.
+        gamma: work-weighting exponent (0 = equal weight among ranks that moved).
+        process_group: the group to sync over (default: the world).
+        broadcast_initial: start every rank from rank 0's weights (default True).
+        keep_presync: keep a pre-sync copy of the synced tensors so a failed sync restores them,
+            and for the divergence readout. Costs one copy of the params (default True).
+        nonfinite_guard: a rank whose params are NaN/Inf gets no vote and adopts the consensus.
+        gloo_chunk_bytes: on Gloo, reduce in chunks of this size so scaling overlaps the reduction.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[nn.Module] = None,
+                 sync_every: int = 16, warmup_steps: int = 0, outer: OuterSpec = None,
+                 max_grad_norm: Optional[float] = None, lr_scheduler: Any = None,
+                 gamma: float = 1.0, process_group: Optional[dist.ProcessGroup] = None, *,
+                 broadcast_initial: bool = True, keep_presync: bool = True,
+                 nonfinite_guard: bool = True, gloo_chunk_bytes: int = DEFAULT_GLOO_CHUNK_BYTES):
+        _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma)
+        launch.ensure_init()
+        # Share the inner optimizer's attributes; Optimizer.__init__ is deliberately not called
+        # (it would rebuild param_groups and state).
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._patch_step_function()
+
+        self.model = model
+        self.sync_every, self.warmup_steps = int(sync_every), int(warmup_steps)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.lr_scheduler, self.gamma = lr_scheduler, float(gamma)
+        self.outer: OuterOptimizer = make_outer(outer)
+        if self.outer.needs_deltas and not keep_presync:
+            raise ConfigError(f"outer={self.outer.name!r} needs the pre-sync copy: "
+                              "drop keep_presync=False")
+        self.process_group = process_group
+        group_size = dist.get_world_size(process_group) if launch.size() > 1 else 1
+        self._rank = dist.get_rank(process_group) if group_size > 1 else 0
+
+        # The synced set, fixed now: trainable params (work-weighted), float buffers (mover-weighted).
+        self._params: List[torch.Tensor] = unique(p for g in optimizer.param_groups for p in g["params"])
+        inner_model = unwrap_model(model) if model is not None else None
+        float_buffers = [b for b in unique(inner_model.buffers()) if b.is_floating_point()] \
+            if inner_model is not None else []
+        self._param_groups_flat: List[FlatGroup] = pack(self._params, "param")
+        self._buffer_groups_flat: List[FlatGroup] = pack(float_buffers, "buffer")
+
+        self._consensus = Consensus(
+            self._param_groups_flat, self._buffer_groups_flat,
+            process_group, group_size, self._rank, launch.backend(), gamma=self.gamma,
+            keep_presync=keep_presync, nonfinite_guard=nonfinite_guard,
+            gloo_chunk_bytes=gloo_chunk_bytes)
+        if group_size > 1:
+            self._check_same_everywhere()
+            if broadcast_initial:
+                self._broadcast_from_root(inner_model)
+        self.outer.setup(self._param_groups_flat)
+
+        self._local_steps = 0        # optimizer steps this rank took
+        self._steps_since_sync = 0   # n_i
+        self._sync_count = 0
+        self._global_steps = 0       # steps taken by the whole cohort, summed at syncs
+        self._joined = False
+        self._checked_grads = False
+        self.last_sync: Optional[SyncStats] = None
+
+    # ------------------------------------------------------------ Optimizer surface
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        raise ConfigError("flodl_opt: the synced tensors are fixed when LocalSGDOptimizer is built; "
+                          "add the param group to the inner optimizer before wrapping it")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return (f"LocalSGDOptimizer({type(self.optimizer).__name__}, sync_every={self.sync_every}, "
+                f"warmup_steps={self.warmup_steps}, outer={self.outer!r}, gamma={self.gamma}, "
+                f"max_grad_norm={self.max_grad_norm})")
+
+    # ------------------------------------------------------------ the data path
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        """clip -> inner step -> scheduler -> count -> sync when due. Returns the closure's loss."""
+        if not self._checked_grads:
+            self._check_grads()
+        if self.max_grad_norm is not None:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+            self.optimizer.step()
+        else:
+            loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self._local_steps += 1
+        self._steps_since_sync += 1
+        if self._local_steps <= self.warmup_steps or self._steps_since_sync >= self.sync_every:
+            self._sync()
+        return loss
+
+    def sync(self) -> SyncStats:
+        """Average now. Collective: every rank of the group must call it."""
+        return self._sync()
+
+    def _sync(self) -> SyncStats:
+        for g in self._param_groups_flat + self._buffer_groups_flat:
+            g.check_bound()
+        stats = self._consensus.run(self._steps_since_sync, self._sync_count + 1,
+                                    active=not self._joined)                 # count -> reduce -> readout
+        self._sync_count += 1
+        self._global_steps += stats.cohort_steps
+        self._steps_since_sync = 0
+        if not stats.skipped:
+            self._outer_step(stats)
+        self.last_sync = stats
+        return stats
+
+    def _outer_step(self, stats: SyncStats) -> None:
+        groups = self._param_groups_flat
+        if isinstance(self.outer, OuterAvg):
+            return
+        if self._local_steps <= self.warmup_steps:
+            # Warm-up syncs are plain averaging; the outer optimizer starts from their result.
+            self.outer.rebase(groups)
+            return
+        deltas = self._consensus.deltas() if self.outer.needs_deltas else None
+        if deltas is not None and stats.nonfinite:
+            for d in deltas:
+                d.zero_()  # a non-finite rank adopts the consensus outright
+        self.outer.step(groups, deltas, float(self.optimizer.param_groups[0]["lr"]))
+        if self.outer.resets_inner:
+            self.optimizer.state.clear()
+        stats.outer = self.outer.name
+
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """For uneven data: after the block, keep joining syncs with zero work until all ranks are done.
+
+        Every rank wraps its loop in ``with opt.join():``. A rank that runs out of batches first
+        flushes its own steps into a sync, then keeps answering its peers' syncs with zero
+        weight, so nobody waits on a collective that never comes.
+        """
+        yield
+        if launch.size() == 1:
+            self._sync()
+            return
+        self._joined = True
+        try:
+            while True:
+                stats = self._sync()
+                if stats.active == 0:
+                    break
+        finally:
+            self._joined = False
+
+    # ------------------------------------------------------------ checkpoints
+    def config(self) -> Dict[str, Any]:
+        return {"sync_every": self.sync_every, "warmup_steps": self.warmup_steps, "gamma": self.gamma,
+                "outer": self.outer.name, "outer_config": self.outer.config(),
+                "max_grad_norm": self.max_grad_norm,
+                "flat": [(r, d, [list(s) for s in shapes]) for r, d, shapes in
+                         signature(self._param_groups_flat + self._buffer_groups_flat)]}
+
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's state dict plus everything flodl_opt needs, under ``"flodl_opt"``."""
+        sd = self.optimizer.state_dict()
+        sd[STATE_KEY] = {
+            "version": STATE_VERSION,
+            "config": self.config(),
+            "counters": {"local_steps": self._local_steps, "steps_since_sync": self._steps_since_sync,
+                         "sync_count": self._sync_count, "global_steps": self._global_steps},
+            "outer": self.outer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
+        """Restore an exact resume point. ``strict=False`` allows a changed sync_every/gamma/warmup."""
+        sd = dict(state_dict)
+        ours = sd.pop(STATE_KEY, None)
+        if ours is None:
+            raise ConfigError("flodl_opt: this state dict has no 'flodl_opt' entry: it was not saved by "
+                              "LocalSGDOptimizer.state_dict(). Load a plain optimizer checkpoint with "
+                              "opt.optimizer.load_state_dict(sd) instead.")
+        saved, now = ours["config"], self.config()
+        if saved["flat"] != now["flat"]:
+            raise ConfigError("flodl_opt: the checkpoint was saved for a different model (the synced "
+                              "tensors' shapes or dtypes differ); build the same model before loading")
+        keys = ("outer",) if not strict else _STRICT_CONFIG
+        diff = {k: (saved[k], now[k]) for k in keys if saved[k] != now[k]}
+        if diff:
+            raise ConfigError(f"flodl_opt: the checkpoint's config differs from this optimizer's "
+                              f"(saved, now): {diff}; build it with the saved values, or pass "
+                              "strict=False to resume with the new sync_every/gamma/warmup_steps")
+        self.optimizer.load_state_dict(sd)
+        c = ours["counters"]
+        self._local_steps, self._steps_since_sync = c["local_steps"], c["steps_since_sync"]
+        self._sync_count, self._global_steps = c["sync_count"], c["global_steps"]
+        with torch.no_grad():
+            self.outer.load_state_dict(ours["outer"])
+        if self.lr_scheduler is not None and ours["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(ours["lr_scheduler"])
+
+    # ------------------------------------------------------------ counters
+    @property
+    def local_steps(self) -> int:
+        return self._local_steps
+
+    @property
+    def steps_since_sync(self) -> int:
+        return self._steps_since_sync
+
+    @property
+    def sync_count(self) -> int:
+        return self._sync_count
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken by all ranks together, as of the last sync."""
+        return self._global_steps
+
+    # ------------------------------------------------------------ set-up checks
+    def _check_same_everywhere(self) -> None:
+        """Every rank must wrap the same tensors with the same config, or the collectives misalign."""
+        cfg = self.config()
+        desc = {"flat": cfg["flat"], **{k: cfg[k] for k in _STRICT_CONFIG}}
+        digest = hashlib.sha1(repr(desc).encode()).hexdigest()
+        summary = {"groups": [(r, d, len(s), sum(_numel(x) for x in s)) for r, d, s in cfg["flat"]],
+                   **{k: cfg[k] for k in _STRICT_CONFIG}}
+        gathered: List[Any] = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(gathered, (digest, summary), group=self.process_group)
+        bad = [r for r, (d, _) in enumerate(gathered) if d != gathered[0][0]]
+        if bad:
+            lines = "\n".join(f"  rank {r}: {s}" for r, (_, s) in enumerate(gathered))
+            raise ConfigError(
+                f"flodl_opt: ranks wrap different models or configs (ranks {bad} differ from rank 0; "
+                f"groups are (role, dtype, tensors, elements)):\n{lines}\n"
+                "Build the same model, optimizer and LocalSGDOptimizer arguments on every rank.")
+
+    def _broadcast_from_root(self, inner_model: Optional[nn.Module]) -> None:
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        with torch.no_grad():
+            for g in self._param_groups_flat + self._buffer_groups_flat:
+                dist.broadcast(g.flat, src=src, group=self.process_group)
+            if inner_model is not None:  # frozen params and integer buffers: few and small
+                synced = {id(t) for g in self._param_groups_flat + self._buffer_groups_flat for t in g.tensors}
+                for t in list(inner_model.parameters()) + list(inner_model.buffers()):
+                    if id(t) not in synced:
+                        dist.broadcast(t.data, src=src, group=self.process_group)
+
+    def _check_grads(self) -> None:
+        for p in self._params:
+            if p.grad is not None and p.grad.is_sparse:
+                raise ConfigError("flodl_opt: sparse gradients are not supported (an nn.Embedding with "
+                                  "sparse=True?); use sparse=False")
+        self._checked_grads = True
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"LocalSGDOptimizer wraps a built torch.optim.Optimizer, got "
+                          f"{type(optimizer).__name__}; e.g. LocalSGDOptimizer(torch.optim.AdamW(model.parameters()))")
+    if isinstance(optimizer, LocalSGDOptimizer):
+        raise ConfigError("LocalSGDOptimizer is already wrapped; wrap the inner optimizer once")
+    if model is not None and not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be an nn.Module (or its DDP wrapper), got {type(model).__name__}")
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ConfigError(f"sync_every must be an int >= 1 (local steps between syncs), got {sync_every!r}")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ConfigError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or
+                                      not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0):
+        raise ConfigError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
+    if not isinstance(gamma, (int, float)) or isinstance(gamma, bool) or gamma < 0:
+        raise ConfigError(f"gamma must be a number >= 0 (0 = equal weight among movers), got {gamma!r}")
+    if lr_scheduler is not None:
+        if not hasattr(lr_scheduler, "step") or getattr(lr_scheduler, "optimizer", None) is not optimizer:
+            raise ConfigError("lr_scheduler must be a scheduler built on the inner optimizer you are "
+                              "wrapping (its .optimizer is that optimizer)")
+    opt_params = unique(p for g in optimizer.param_groups for p in g["params"])
+    for p in opt_params:
+        if not isinstance(p, torch.Tensor):
+            raise ConfigError(f"optimizer params must be tensors, got {type(p).__name__}")
+    if model is None:
+        return
+    inner = unwrap_model(model)
+    for name, m in inner.named_modules():
+        if getattr(m, "sparse", False) is True:
+            raise ConfigError(f"flodl_opt: module {name or type(m).__name__} produces sparse gradients; "
+                              "build it with sparse=False")
+    opt_ids = {id(p) for p in opt_params}
+    model_ids = {id(p) for p in inner.parameters()}
+    missing = [n for n, p in inner.named_parameters() if p.requires_grad and id(p) not in opt_ids]
+    if missing:
+        raise ConfigError(f"flodl_opt: trainable params of the model are not in the optimizer: "
+                          f"{missing[:8]}{' ...' if len(missing) > 8 else ''}. Build the optimizer on "
+                          "model.parameters(), or set requires_grad=False on params you freeze.")
+    extra = [tuple(p.shape) for p in opt_params if id(p) not in model_ids]
+    if extra:
+        raise ConfigError(f"flodl_opt: the optimizer holds {len(extra)} tensor(s) that are not params of "
+                          f"the model (shapes {extra[:4]}); pass the model those params belong to")

@@ -1,0 +1,263 @@
+"""Outer optimizers: what a sync does with the consensus once every rank holds it.
+
+Each runs replicated and deterministic on every rank (same consensus, same replicated state,
+same arithmetic), so the cohort stays in lock-step with no extra collective. Their state (the
+anchor ``A`` = the previous global params, and momentum) lives in flat buffers beside the params.
+
+On entry to ``step`` the params hold the consensus ``C``; ``deltas`` (when the outer asks for
+them) hold ``W_i_pre - C`` per flat group. The pseudo-gradient is ``d = A - C``: positive where
+the ranks moved down, so stepping *against* it moves the params the way the ranks moved.
+
+Example::
+
+    opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model,
+                                sync_every=64, outer=flo.DiLoCo(lr=0.7, momentum=0.9))
+    # any torch optimizer as the outer one, stepped with the pseudo-gradient as .grad:
+    outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+    opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=64, outer=outer)
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from .errors import ConfigError
+from .flat import FlatGroup
+
+
+class OuterOptimizer:
+    """Base class. Subclasses override ``_step_group`` (and ``needs_deltas`` / ``resets_inner``)."""
+
+    name = "outer"
+    needs_anchor = True      # keeps A, the previous global params
+    needs_deltas = False     # wants W_i_pre - C (forces the pre-sync copy)
+    momentum_buffers = 0     # flat buffers of state per group beside the anchor
+    resets_inner = False     # clear the inner optimizer's state after each outer step
+
+    def __init__(self) -> None:
+        self.anchor: List[torch.Tensor] = []
+        self.momentum: List[torch.Tensor] = []
+
+    # -- lifecycle ---------------------------------------------------------------
+    def setup(self, groups: Sequence[FlatGroup]) -> None:
+        """Allocate state once; the anchor starts at the (already broadcast) params."""
+        if self.needs_anchor:
+            self.anchor = [g.flat.detach().to(g.reduce_dtype, copy=True) for g in groups]
+        if self.momentum_buffers:
+            self.momentum = [torch.zeros(g.numel, dtype=g.reduce_dtype, device=g.device) for g in groups]
+
+    def rebase(self, groups: Sequence[FlatGroup]) -> None:
+        """Make the current params the anchor (after a warm-up sync, which is plain averaging)."""
+        with torch.no_grad():
+            for a, g in zip(self.anchor, groups):
+                a.copy_(g.flat)
+
+    def step(self, groups: Sequence[FlatGroup], deltas: Optional[Sequence[torch.Tensor]],
+             inner_lr: float) -> None:
+        with torch.no_grad():
+            for i, g in enumerate(groups):
+                self._step_group(i, g.flat, None if deltas is None else deltas[i], inner_lr)
+
+    def _step_group(self, i: int, w: torch.Tensor, delta: Optional[torch.Tensor], inner_lr: float) -> None:
+        raise NotImplementedError
+
+    # -- checkpoints -------------------------------------------------------------
+    def config(self) -> Dict:
+        return {}
+
+    def state_dict(self) -> Dict:
+        return {"name": self.name, "config": self.config(),
+                "anchor": [a.clone() for a in self.anchor],
+                "momentum": [m.clone() for m in self.momentum]}
+
+    def load_state_dict(self, sd: Dict) -> None:
+        if sd.get("name") != self.name:
+            raise ConfigError(f"flodl_opt: checkpoint holds outer optimizer {sd.get('name')!r} but this "
+                              f"optimizer uses {self.name!r}; build it with outer={sd.get('name')!r}")
+        for dst_list, key in ((self.anchor, "anchor"), (self.momentum, "momentum")):
+            src_list = sd.get(key, [])
+            if len(src_list) != len(dst_list) or any(s.shape != d.shape for s, d in zip(src_list, dst_list)):
+                raise ConfigError(f"flodl_opt: outer {key} in the checkpoint does not match this model's "
+                                  "flat buffers (a different model or dtype?)")
+            for d, s in zip(dst_list, src_list):
+                d.copy_(s)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class OuterAvg(OuterOptimizer):
+    """Plain model averaging: the params are the consensus. No state."""
+
+    name = "avg"
+    needs_anchor = False
+
+    def step(self, groups, deltas, inner_lr) -> None:
+        pass
+
+
+class DiLoCo(OuterOptimizer):
+    """DiLoCo (Douillard et al. 2023): Nesterov SGD on the pseudo-gradient ``d = A - C``.
+
+    ``u <- mu*u + d``; step ``= d + mu*u`` (Nesterov) or ``u``; ``W <- A - lr*step``; ``A <- W``.
+    Equals ``torch.optim.SGD(lr, momentum, nesterov)`` stepped on the anchor, in two flat buffers.
+    ``reset_inner=True`` clears the inner optimizer's state after each outer step.
+    """
+
+    name = "diloco"
+    momentum_buffers = 1
+
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
+                 reset_inner: bool = False):
+        super().__init__()
+        if lr <= 0:
+            raise ConfigError(f"DiLoCo: lr must be > 0, got {lr}")
+        if not 0 <= momentum < 1:
+            raise ConfigError(f"DiLoCo: momentum must be in [0, 1), got {momentum}")
+        if nesterov and momentum == 0:
+            nesterov = False  # identical maths; saves a pass
+        self.lr, self.mu, self.nesterov, self.resets_inner = float(lr), float(momentum), nesterov, reset_inner
+
+    def config(self) -> Dict:
+        return {"lr": self.lr, "momentum": self.mu, "nesterov": self.nesterov, "reset_inner": self.resets_inner}
+
+    def _step_group(self, i, w, delta, inner_lr) -> None:
+        a, u = self.anchor[i], self.momentum[i]
+        a.sub_(w)                      # a = d = A - C (the anchor is rebuilt from w below)
+        u.mul_(self.mu).add_(a)        # u = mu*u + d
+        if self.nesterov:              # W = A - lr*(d + mu*u) = C + (1-lr)*d - lr*mu*u
+            w.add_(a, alpha=1.0 - self.lr).add_(u, alpha=-self.lr * self.mu)
+        else:                          # W = A - lr*u = C + d - lr*u
+            w.add_(a).add_(u, alpha=-self.lr)
+        a.copy_(w)
+
+
+class SlowMo(OuterOptimizer):
+    """SlowMo (Wang et al. 2020): slow momentum on the averaged displacement.
+
+    ``u <- beta*u + (A - C)/lr_inner``; ``W <- A - alpha*lr_inner*u``. Inner state continues.
+    ``lr_inner`` is the inner optimizer's current learning rate (first param group).
+    """
+
+    name = "slowmo"
+    momentum_buffers = 1
+
+    def __init__(self, lr: float = 1.0, momentum: float = 0.5):
+        super().__init__()
+        if lr <= 0:
+            raise ConfigError(f"SlowMo: lr must be > 0, got {lr}")
+        if not 0 <= momentum < 1:
+            raise ConfigError(f"SlowMo: momentum must be in [0, 1), got {momentum}")
+        self.lr, self.beta = float(lr), float(momentum)
+
+    def config(self) -> Dict:
+        return {"lr": self.lr, "momentum": self.beta}
+
+    def _step_group(self, i, w, delta, inner_lr) -> None:
+        if inner_lr <= 0:
+            raise ConfigError("SlowMo needs the inner optimizer's lr > 0")
+        a, u = self.anchor[i], self.momentum[i]
+        a.sub_(w)                                          # d = A - C
+        u.mul_(self.beta).add_(a, alpha=1.0 / inner_lr)    # u = beta*u + d/lr_inner
+        w.add_(a).add_(u, alpha=-self.lr * inner_lr)       # W = C + d - alpha*lr*u = A - alpha*lr*u
+        a.copy_(w)
+
+
+class EASGD(OuterOptimizer):
+    """Elastic averaging (Zhang et al. 2015): each rank moves ``alpha`` of the way to the consensus.
+
+    ``W_i <- W_i + alpha*(C - W_i)``; ranks keep their own drift by design.
+    """
+
+    name = "easgd"
+    needs_anchor = False
+    needs_deltas = True
+
+    def __init__(self, alpha: float = 0.5):
+        super().__init__()
+        if not 0 < alpha <= 1:
+            raise ConfigError(f"EASGD: alpha must be in (0, 1], got {alpha}")
+        self.alpha = float(alpha)
+
+    def config(self) -> Dict:
+        return {"alpha": self.alpha}
+
+    def _step_group(self, i, w, delta, inner_lr) -> None:
+        # W_i + alpha*(C - W_i) = C + (1 - alpha)*(W_i - C)
+        w.add_(delta, alpha=1.0 - self.alpha)
+
+
+class TorchOuter(OuterOptimizer):
+    """Any torch optimizer as the outer one: it steps the anchor with ``A - C`` as ``.grad``.
+
+    ``factory`` takes the list of anchor tensors and returns an optimizer, e.g.
+    ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``.
+    """
+
+    name = "torch"
+
+    def __init__(self, factory: Callable[[List[torch.Tensor]], torch.optim.Optimizer]):
+        super().__init__()
+        self.factory = factory
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+
+    def setup(self, groups) -> None:
+        super().setup(groups)
+        self.anchor = [torch.nn.Parameter(a, requires_grad=True) for a in self.anchor]
+        for a in self.anchor:
+            a.grad = torch.zeros_like(a)
+        self.optimizer = self.factory(self.anchor)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ConfigError("outer: the callable must return a torch.optim.Optimizer built on the "
+                              f"tensors it is given, got {type(self.optimizer).__name__}")
+
+    def config(self) -> Dict:
+        return {"optimizer": type(self.optimizer).__name__ if self.optimizer else None}
+
+    def step(self, groups, deltas, inner_lr) -> None:
+        with torch.no_grad():
+            for a, g in zip(self.anchor, groups):
+                torch.sub(a, g.flat, out=a.grad)   # pseudo-gradient A - C
+        self.optimizer.step()
+        with torch.no_grad():
+            for a, g in zip(self.anchor, groups):
+                g.flat.copy_(a)
+
+    def state_dict(self) -> Dict:
+        sd = super().state_dict()
+        sd["optimizer"] = self.optimizer.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: Dict) -> None:
+        with torch.no_grad():
+            super().load_state_dict(sd)
+        self.optimizer.load_state_dict(sd["optimizer"])
+
+
+OUTER_BY_NAME = {"avg": OuterAvg, "diloco": DiLoCo, "slowmo": SlowMo, "easgd": EASGD}
+
+OuterSpec = Union[None, str, OuterOptimizer, Callable[[List[torch.Tensor]], torch.optim.Optimizer]]
+
+
+def make_outer(spec: OuterSpec) -> OuterOptimizer:
+    """``None`` / a name / an instance / a torch optimizer factory -> an OuterOptimizer."""
+    if spec is None:
+        return OuterAvg()
+    if isinstance(spec, OuterOptimizer):
+        return spec
+    if isinstance(spec, str):
+        cls = OUTER_BY_NAME.get(spec.lower())
+        if cls is None:
+            raise ConfigError(f"flodl_opt: unknown outer optimizer {spec!r}; use one of "
+                              f"{sorted(OUTER_BY_NAME)}, an OuterOptimizer instance, or a callable "
+                              "that builds a torch optimizer from a list of tensors")
+        return cls()
+    if isinstance(spec, torch.optim.Optimizer):
+        raise ConfigError("flodl_opt: outer= takes a factory, not a built optimizer (its params would "
+                          "not be the anchor); pass functools.partial(torch.optim.SGD, lr=...) instead")
+    if callable(spec):
+        return TorchOuter(spec)
+    raise ConfigError(f"flodl_opt: outer must be None, a name, an OuterOptimizer or a callable, "
+                      f"got {type(spec).__name__}")

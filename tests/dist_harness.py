@@ -1,0 +1,126 @@
+"""Run a function on N real ranks (separate processes, a real Gloo process group).
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each of which sets the
+torchrun-style environment, calls ``flodl_opt.init(timeout=...)`` and returns ``fn(rank, world_size,
+*args)``. The results come back in rank order. A rank that raises fails the call with that rank's
+own traceback; a rank that does not finish within ``timeout`` seconds gets all ranks killed and
+the call fails naming the stuck ranks, so no test can hang CI.
+
+Processes come from a forkserver that has already imported torch, so a rank starts in a fraction
+of a second instead of re-importing torch.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable, List, Optional
+
+_CTX = None
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        # Children must import this module and the test modules by name.
+        paths = [HERE, ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "flodl_opt", "dist_harness"])
+    return _CTX
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, args, queue, init_timeout_s, env):
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+    })
+    os.environ.update(env or {})
+    try:
+        import torch
+        torch.set_num_threads(1)
+        import flodl_opt as flo
+        flo.init(backend="gloo", timeout=init_timeout_s)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - report anything, including SystemExit
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import flodl_opt as flo
+            flo.shutdown()
+        except Exception:
+            pass
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0,
+              collective_timeout: float = 20.0, env: Optional[dict] = None) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the results by rank."""
+    ctx = _context()
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(fn, r, world_size, port, args, queue, collective_timeout, env))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    failures: dict = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, payload = queue.get(timeout=min(remaining, 0.5))
+            except Exception:  # queue.Empty
+                # A rank that died without reporting (segfault, os._exit) would otherwise be waited for.
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in results and r not in failures]
+                for r in dead:
+                    failures[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
+                continue
+            (results if ok else failures)[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=2)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2)
+    if failures:
+        text = "\n".join(f"---- rank {r} ----\n{tb}" for r, tb in sorted(failures.items()))
+        raise RankFailure(f"{len(failures)} rank(s) failed:\n{text}")
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        raise RankFailure(f"ranks {missing} did not finish within {timeout:.0f}s (killed)")
+    return [results[r] for r in range(world_size)]
+
+
+def gather_object(obj: Any) -> List[Any]:
+    """Test-side all_gather of a picklable object (independent of the code under test)."""
+    import torch.distributed as dist
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("import me from tests")

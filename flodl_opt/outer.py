@@ -68,8 +68,8 @@ class OuterOptimizer:
 
     def state_dict(self) -> Dict:
         return {"name": self.name, "config": self.config(),
-                "anchor": [a.clone() for a in self.anchor],
-                "momentum": [m.clone() for m in self.momentum]}
+                "anchor": [a.detach().clone() for a in self.anchor],
+                "momentum": [m.detach().clone() for m in self.momentum]}
 
     def load_state_dict(self, sd: Dict) -> None:
         if sd.get("name") != self.name:

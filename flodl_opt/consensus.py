@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .errors import SyncError
+from .errors import ConfigError, NonFiniteError, NonFiniteWarning, SyncError
 from .flat import FlatGroup
 
 DEFAULT_GLOO_CHUNK_BYTES = 8 << 20
@@ -57,6 +58,7 @@ class SyncStats:
     active: int = 0                # ranks not yet joined (uneven data)
     skipped: bool = False          # whole cohort idle: nothing was reduced
     nonfinite: bool = False        # this rank's params were NaN/Inf and got no vote
+    nonfinite_ranks: int = 0       # ranks whose params were NaN/Inf at this sync
     divergence: Optional[float] = None   # ||W_i_pre - W|| / ||W||
     pre_norm: Optional[float] = None     # ||W_i_pre||
     post_norm: Optional[float] = None    # ||W||
@@ -76,6 +78,8 @@ class Totals:
     active: float
     nonfinite: float
     steps: float
+    sync: float = 0.0       # sum of the ranks' sync numbers
+    sync_sq: float = 0.0    # sum of their squares: all equal iff world * sync_sq == sync ** 2
 
 
 class Consensus:
@@ -103,17 +107,23 @@ class Consensus:
         self.distributed = world_size > 1
         dev = self.params[0].device if self.params else torch.device("cpu")
         self.comm_device = dev if backend == "nccl" else torch.device("cpu")
-        self._count = torch.zeros(5, dtype=torch.float64, device=self.comm_device)
+        self._count = torch.zeros(7, dtype=torch.float64, device=self.comm_device)
         self._factors = {}  # (device, dtype) -> 1-element device tensor for PREMUL_SUM
         self._scratch: dict = {}  # id(group) -> pre-sync copy
 
     # ------------------------------------------------------------------ steps
-    def count(self, steps: int, active: bool, nonfinite: bool) -> Totals:
-        """One small SUM of [mass, mover, active, non-finite, steps] over the cohort."""
+    def count(self, steps: int, active: bool, nonfinite: bool, sync_number: int = 0) -> Totals:
+        """One small SUM of [mass, mover, active, non-finite, steps, sync, sync^2] over the cohort.
+
+        The sync numbers ride along so that ranks which disagree on how many syncs they ran (a
+        ``sync()`` called on some ranks only) all find out from the same totals, instead of
+        pairing unrelated collectives silently or hanging at the end.
+        """
         mass = 0.0 if nonfinite else gamma_mass(steps, self.gamma)
         mover = 1.0 if (steps > 0 and not nonfinite) else 0.0
         c = self._count
-        c.copy_(torch.tensor([mass, mover, float(active), float(nonfinite), float(steps)],
+        n = float(sync_number)
+        c.copy_(torch.tensor([mass, mover, float(active), float(nonfinite), float(steps), n, n * n],
                              dtype=torch.float64))
         if self.distributed:
             dist.all_reduce(c, op=dist.ReduceOp.SUM, group=self.group)
@@ -221,15 +231,23 @@ class Consensus:
         if self.keep_presync:
             self.presync_copy()
         try:
-            totals = self.count(steps, active, nonfinite)
+            totals = self.count(steps, active, nonfinite, sync_number)
+            if self.world_size * totals.sync_sq != totals.sync * totals.sync:
+                raise ConfigError(
+                    f"flodl_opt: ranks disagree on the sync number (this is rank {self.rank}'s sync "
+                    f"#{sync_number}; the cohort's mean is {totals.sync / self.world_size:g}): sync() "
+                    "was called on some ranks only, or ranks ran a different number of step()s. "
+                    "Call opt.sync() and opt.step() on every rank alike (uneven data: wrap the loop "
+                    "in `with opt.join():`).")
             stats.total_mass, stats.movers, stats.active = totals.mass, int(totals.movers), int(totals.active)
             stats.cohort_steps = int(totals.steps)
             stats.nonfinite = nonfinite
+            stats.nonfinite_ranks = int(totals.nonfinite)
             stats.collectives = 1 if self.distributed else 0
             stats.bytes = self._count.numel() * self._count.element_size() if self.distributed else 0
             if totals.mass <= 0.0:
                 if totals.nonfinite > 0:
-                    raise FloatingPointError(
+                    raise NonFiniteError(
                         f"every rank that moved has non-finite params ({int(totals.nonfinite)} of "
                         f"{self.world_size}); refusing to average garbage. Lower the learning rate, "
                         "enable max_grad_norm, or resume from the last checkpoint.")
@@ -245,11 +263,19 @@ class Consensus:
                     stats.collectives += self.reduce(self.buffers, mover / totals.movers)
             if self.distributed:
                 stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in self.params + self.buffers)
-        except FloatingPointError:
-            raise
+        except (ConfigError, FloatingPointError):
+            raise  # decided from the shared totals, before any tensor changed, on every rank alike
         except Exception as exc:  # a failed collective: put the pre-sync weights back, then say so
             restored = self.restore()
             raise SyncError(self.rank, sync_number, exc, restored) from exc
+        except BaseException:  # KeyboardInterrupt mid-reduce: leave nothing half-averaged either
+            self.restore()
+            raise
+        if nonfinite:
+            warnings.warn(f"flodl_opt: rank {self.rank}'s params were NaN/Inf at sync #{sync_number}: "
+                          "it got no vote and adopted the consensus of the other ranks. Lower the "
+                          "learning rate or set max_grad_norm if this repeats.",
+                          NonFiniteWarning, stacklevel=3)
         self.readout(stats, None if nonfinite else pre_sq)
         stats.ms = (time.perf_counter() - t0) * 1e3
         return stats

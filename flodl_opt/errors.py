@@ -14,8 +14,21 @@ class SyncError(RuntimeError):
         state = ("params and buffers restored to their pre-sync values" if restored else
                  "params may be partially averaged (keep_presync=False)")
         super().__init__(f"flodl_opt: sync #{sync} failed on rank {rank}: "
-                         f"{type(cause).__name__}: {cause}; {state}")
+                         f"{type(cause).__name__}: {cause}; {state}. A peer died, hung, or did not "
+                         "call this sync (every rank must call step()/sync() alike). Exit and "
+                         "resume from the last checkpoint (torchrun --max-restarts does it for you).")
 
 
 class ConfigError(ValueError):
     """Bad input: the message says what to change."""
+
+
+class NonFiniteError(FloatingPointError):
+    """Every rank that moved since the last sync holds NaN/Inf params: there is nothing to average.
+
+    Raised on every rank alike (the verdict comes from the shared count), params untouched.
+    """
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """This rank's params were NaN/Inf at a sync: it got no vote and adopted the others' consensus."""

@@ -1,0 +1,205 @@
+"""Convergence against communication: the synchronous baseline, local SGD and DiLoCo on one budget.
+
+Runs ``examples/train_charlm.py`` (2 local CPU ranks over Gloo by default) for the same number of
+steps, batch, seed and data with:
+
+* ``sync``: the synchronous baseline. Gradients averaged every step (``--mode allreduce``) when
+  ``flodl_opt.DistributedOptimizer`` exists, else model averaging every step (K=1);
+* ``localsgd-k16``: local SGD, plain averaging every 16 steps;
+* ``diloco-h64``: DiLoCo (outer Nesterov SGD, lr 0.7, momentum 0.9) every 64 steps;
+* optionally ``slowmo-k16`` (``--slowmo``) and extra DiLoCo outer settings (``--diloco lr:momentum``).
+
+It collects each run's final validation loss (consensus weights, same fixed windows for all runs),
+param syncs, collectives and bytes each rank handed to collectives, and writes a table (stdout,
+``table.md`` and ``summary.json``) and ``convergence.png``: validation loss against steps and
+against bytes communicated (needs matplotlib: ``pip install flodl-opt[plot]``; skipped with a
+message otherwise).
+
+    nice -n 15 python tools/compare_convergence.py --steps 1024 --out runs/convergence
+    python tools/compare_convergence.py --replot --out runs/convergence   # table + PNG from the logs
+
+Arguments after ``--`` go to every training run (e.g. ``-- --layers 3 --lr 1e-3``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_charlm.py")
+
+
+def has_allreduce() -> bool:
+    sys.path.insert(0, ROOT)
+    try:
+        import flodl_opt
+        return hasattr(flodl_opt, "DistributedOptimizer")
+    except ImportError:
+        return False
+    finally:
+        sys.path.remove(ROOT)
+
+
+def plan(args) -> List[Dict]:
+    """The runs: name, label, arguments for train_charlm, and its sync period."""
+    if has_allreduce() and not args.model_avg_baseline:
+        base = {"name": "sync", "label": "synchronous (gradient allreduce)", "k": 1,
+                "argv": ["--mode", "allreduce"]}
+    else:
+        base = {"name": "sync", "label": "synchronous (model averaging, K=1)", "k": 1,
+                "argv": ["--sync-every", "1", "--outer", "avg"]}
+    runs = [base,
+            {"name": "localsgd-k16", "label": "local SGD, K=16", "k": 16,
+             "argv": ["--sync-every", "16", "--outer", "avg"]},
+            {"name": "diloco-h64", "label": "DiLoCo, H=64 (lr 0.7, mom 0.9)", "k": 64,
+             "argv": ["--sync-every", "64", "--outer", "diloco"]}]
+    if args.slowmo:
+        runs.append({"name": "slowmo-k16", "label": "SlowMo, K=16 (lr 1, mom 0.5)", "k": 16,
+                     "argv": ["--sync-every", "16", "--outer", "slowmo"]})
+    for spec in args.diloco:
+        lr, mom = spec.split(":")
+        runs.append({"name": f"diloco-h64-lr{lr}-m{mom}", "label": f"DiLoCo, H=64 (lr {lr}, mom {mom})",
+                     "k": 64, "argv": ["--sync-every", "64", "--outer", "diloco",
+                                       "--outer-lr", lr, "--outer-momentum", mom]})
+    return runs
+
+
+def run_one(run: Dict, args, extra: List[str]) -> Dict:
+    log = os.path.join(args.out, f"{run['name']}.json")
+    if args.replot or (args.resume and os.path.exists(log)):
+        with open(log) as fh:
+            return json.load(fh)
+    cmd = [sys.executable, EXAMPLE, "--nproc", str(args.nproc), "--steps", str(args.steps),
+           "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches),
+           "--print-every", str(args.eval_every), "--seed", str(args.seed), "--log", log,
+           *run["argv"], *extra]
+    print(f"\n== {run['name']}: {' '.join(cmd[1:])}", flush=True)
+    t0 = time.perf_counter()
+    with open(os.path.join(args.out, f"{run['name']}.out"), "w") as out:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            for line in proc.stdout:
+                out.write(line)
+                if not args.quiet:
+                    print("   " + line, end="", flush=True)
+            rc = proc.wait(timeout=args.timeout)
+        except BaseException:
+            os.killpg(proc.pid, 9)  # the launcher and its ranks
+            raise
+    if rc != 0:
+        raise SystemExit(f"{run['name']} failed (exit {rc}); see {out.name}")
+    print(f"   ({time.perf_counter() - t0:.0f} s)")
+    with open(log) as fh:
+        return json.load(fh)
+
+
+def table(runs: List[Dict], results: List[Dict]) -> (str, List[Dict]):
+    base = results[0]["final"]
+    rows = []
+    for run, res in zip(runs, results):
+        f = res["final"]
+        rows.append({
+            "run": run["name"], "label": run["label"], "sync_every": run["k"],
+            "final_val_loss": f["val_loss"],
+            "vs_sync_pct": 100.0 * (f["val_loss"] - base["val_loss"]) / base["val_loss"],
+            "syncs": f["syncs"], "collectives": f["collectives"], "bytes": f["bytes"],
+            "fewer_syncs_x": (base["syncs"] / f["syncs"]) if f["syncs"] else None,
+            "fewer_bytes_x": (base["bytes"] / f["bytes"]) if f["bytes"] else None,
+            "wall_s": f["wall_s"],
+        })
+    head = ("| run | final val loss | vs sync | param syncs | collectives | MB sent per rank "
+            "| fewer bytes | wall s |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in rows:
+        fewer = f"{r['fewer_bytes_x']:.1f}x" if r["fewer_bytes_x"] else "-"
+        lines.append(f"| {r['label']} | {r['final_val_loss']:.4f} | {r['vs_sync_pct']:+.2f}% | {r['syncs']} "
+                     f"| {r['collectives']} | {r['bytes'] / 1e6:.1f} | {fewer} | {r['wall_s']:.0f} |")
+    return "\n".join(lines), rows
+
+
+def plot(runs: List[Dict], results: List[Dict], path: str) -> Optional[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the PNG (pip install flodl-opt[plot])")
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run, res in zip(runs, results):
+        curve = res["curve"]
+        steps = [p["step"] for p in curve]
+        val = [p["val_loss"] for p in curve]
+        ax1.plot(steps, val, marker=".", label=run["label"])
+        pts = [(p["bytes"] / 1e6, p["val_loss"]) for p in curve if p["bytes"] > 0]
+        ax2.plot([b for b, _ in pts], [v for _, v in pts], marker=".", label=run["label"])
+    cfg = results[0]["config"]
+    for ax in (ax1, ax2):
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.grid(alpha=0.3)
+        lo = min(p["val_loss"] for res in results for p in res["curve"])
+        first = sorted(p["val_loss"] for res in results for p in res["curve"] if p["step"] > 0)
+        ax.set_ylim(lo - 0.05, first[-1] + 0.05 if first else None)
+    ax1.set_xlabel("step")
+    ax2.set_xlabel("MB handed to collectives per rank (log)")
+    ax2.set_xscale("log")
+    ax1.legend()
+    fig.suptitle(f"char LM on the Python stdlib: {cfg['world_size']} ranks, {cfg['params'] / 1e6:.2f}M params, "
+                 f"batch {cfg['batch_size']}x{cfg['context']} per rank")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: List[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=1024)
+    p.add_argument("--eval-every", type=int, default=64, help="a multiple of 64: evaluations follow a sync")
+    p.add_argument("--eval-batches", type=int, default=32)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "convergence"))
+    p.add_argument("--slowmo", action="store_true", help="also run SlowMo K=16")
+    p.add_argument("--diloco", action="append", default=[], metavar="LR:MOMENTUM",
+                   help="also run DiLoCo H=64 with this outer lr and momentum (repeatable)")
+    p.add_argument("--model-avg-baseline", action="store_true",
+                   help="baseline = model averaging every step even when gradient allreduce exists")
+    p.add_argument("--resume", action="store_true", help="reuse the logs of runs already in --out")
+    p.add_argument("--replot", action="store_true", help="only rebuild the table and PNG from --out")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per run")
+    p.add_argument("--quiet", action="store_true", help="do not echo the runs' progress")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+
+    runs = plan(args)
+    results = [run_one(r, args, extra) for r in runs]
+    text, rows = table(runs, results)
+    cfg = results[0]["config"]
+    setup = (f"{cfg['world_size']} ranks ({cfg['backend']}), {cfg['params'] / 1e6:.2f}M params "
+             f"({cfg['layers']} layers, d_model {cfg['d_model']}, context {cfg['context']}), "
+             f"batch {cfg['batch_size']} per rank, {cfg['steps']} steps, seed {cfg['seed']}, torch {cfg['torch']}")
+    print(f"\n{setup}\n\n{text}")
+    png = plot(runs, results, os.path.join(args.out, "convergence.png"))
+    with open(os.path.join(args.out, "table.md"), "w") as fh:
+        fh.write(f"{setup}\n\n{text}\n")
+    with open(os.path.join(args.out, "summary.json"), "w") as fh:
+        json.dump({"setup": setup, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+                   "rows": rows, "png": png}, fh, indent=1)
+    if png:
+        print(f"\nplot: {png}")
+
+
+if __name__ == "__main__":
+    main()

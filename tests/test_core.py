@@ -348,3 +348,34 @@ def test_use_before_init_under_a_launcher(monkeypatch):
     model = _model()
     with pytest.raises(RuntimeError, match=r"call flodl_opt.init\(\) on every rank"):
         flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+
+
+def test_torch_distributed_checkpoint_keeps_our_state(tmp_path):
+    """dcp.save/dcp.load of {"model", "optim"} round-trips the namespaced flodl_opt entry."""
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    flo.init()
+
+    def build():
+        model = _model()
+        opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model,
+                                    sync_every=3, outer="diloco")
+        return model, opt
+
+    model, opt = build()
+    _train_local(model, opt, 0, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(tmp_path))
+        model2, opt2 = build()
+        _train_local(model2, opt2, 1, 1)  # different state, so a no-op load would be caught
+        template = {"model": model2.state_dict(), "optim": opt2.state_dict()}
+        dcp.load(template, checkpoint_id=str(tmp_path))
+    model2.load_state_dict(template["model"])
+    opt2.load_state_dict(template["optim"])
+    assert opt2.state_dict()["flodl_opt"]["counters"] == opt.state_dict()["flodl_opt"]["counters"]
+    assert all(torch.equal(a, b) for a, b in zip(opt.outer.anchor + opt.outer.momentum,
+                                                 opt2.outer.anchor + opt2.outer.momentum))
+    _train_local(model, opt, 2, 4)
+    _train_local(model2, opt2, 2, 4)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))

@@ -10,6 +10,9 @@ an outer optimizer step (DiLoCo, SlowMo, EASGD).
 """
 from .consensus import SyncStats
 from .errors import ConfigError, SyncError
+from .horovod import (Adasum, Average, Compression, DistributedOptimizer, Max, Min, Product, Sum, allreduce,
+                      allreduce_, broadcast, broadcast_, broadcast_object, broadcast_optimizer_state,
+                      broadcast_parameters)
 from .launch import (backend, device, init, is_initialized, launch_info, local_rank, local_size, rank,
                      shutdown, size)
 from .optimizer import LocalSGDOptimizer
@@ -21,4 +24,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "device",
     "backend", "launch_info", "LocalSGDOptimizer", "SyncStats", "OuterOptimizer", "OuterAvg",
     "DiLoCo", "SlowMo", "EASGD", "TorchOuter", "SyncError", "ConfigError",
+    "DistributedOptimizer", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "allreduce",
+    "allreduce_", "broadcast", "broadcast_", "broadcast_object", "broadcast_parameters",
+    "broadcast_optimizer_state",
 ]

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import launch
+from . import ddp, launch
 from .consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
 from .errors import ConfigError
 from .flat import FlatGroup, pack, signature, unique
@@ -127,6 +127,8 @@ class LocalSGDOptimizer(torch.optim.Optimizer):
         self._joined = False
         self._checked_grads = False
         self.last_sync: Optional[SyncStats] = None
+        # A DDP model: stop its per-step gradient all-reduce after warm-up (flodl_opt/ddp.py).
+        self._ddp = ddp.attach(model, self, self.warmup_steps, process_group) if group_size > 1 else None
 
     # ------------------------------------------------------------ Optimizer surface
     @property

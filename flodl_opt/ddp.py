@@ -1,0 +1,134 @@
+"""DDP drop-in: make a ``DistributedDataParallel`` model really train locally between syncs.
+
+A DDP script keeps its model wrapper and changes one line, the optimizer::
+
+    model = DistributedDataParallel(net)
+    opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model,
+                                sync_every=16, warmup_steps=100)
+
+Left alone, DDP would still all-reduce every gradient in every backward pass and broadcast
+rank 0's buffers before every forward, so local SGD would save nothing. ``attach`` therefore
+
+* registers a DDP communication hook that all-reduces and averages the gradient buckets while
+  the optimizer is in warm-up (plain synchronous DDP, as in post-local SGD) and hands each rank
+  its own local gradient afterwards (no communication);
+* in local phases also lets DDP's reducer sit out the forward/backward entirely (no bucket
+  copies, and no per-iteration unused-parameter bitmap all-reduce under
+  ``find_unused_parameters=True``), the way ``no_sync()`` does; a user's own ``no_sync()``
+  keeps working;
+* turns off the per-forward buffer broadcast: float buffers ride the optimizer's sync instead.
+
+The phase is read from the optimizer's step counter when the hook runs, so a resumed run
+(``load_state_dict``) is in the right phase from its first backward pass.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import ConfigError
+
+_ATTR = "_flodl_opt_bridge"
+
+
+def is_ddp(model: Optional[nn.Module]) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+    return isinstance(model, DistributedDataParallel)
+
+
+class _Phase:
+    """The hook's state: whether the optimizer that owns this DDP model is past its warm-up."""
+
+    def __init__(self, optimizer: Any, warmup_steps: int, group, world_size: int):
+        self.retarget(optimizer, warmup_steps)
+        self.group, self.world_size = group, world_size
+
+    def retarget(self, optimizer: Any, warmup_steps: int) -> None:
+        self._opt = weakref.ref(optimizer)
+        self.warmup_steps = warmup_steps
+
+    @property
+    def local(self) -> bool:
+        opt = self._opt()
+        # The backward being reduced belongs to step local_steps + 1: local once that is past warm-up.
+        return opt is not None and opt.local_steps >= self.warmup_steps
+
+
+def _local_sgd_hook(state: _Phase, bucket: "dist.GradBucket") -> torch.futures.Future:
+    """DDP comm hook: average across ranks in warm-up, keep the local gradient afterwards."""
+    buf = bucket.buffer()
+    if state.local:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+    buf.div_(state.world_size)
+    work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=state.group, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0])
+
+
+class DDPBridge:
+    """What ``LocalSGDOptimizer`` installs on a DDP model (one per model; re-wrapping retargets it)."""
+
+    def __init__(self, ddp_model: nn.Module, optimizer: Any, warmup_steps: int):
+        self.ddp = ddp_model
+        group = getattr(ddp_model, "process_group", None)
+        self.phase = _Phase(optimizer, warmup_steps, group, dist.get_world_size(group))
+        try:
+            ddp_model.register_comm_hook(self.phase, _local_sgd_hook)
+        except RuntimeError as e:
+            raise ConfigError(
+                "flodl_opt: this DistributedDataParallel model already has a communication hook "
+                "(register_comm_hook can be called once per model); LocalSGDOptimizer needs its own "
+                f"to skip the gradient all-reduce between syncs. Remove the other hook. ({e})") from e
+        _stop_buffer_broadcast(ddp_model)
+        self._bypassed = False
+        # static_graph replays a recorded reducer schedule: leave its reducer engaged (the hook
+        # alone keeps local phases local there).
+        self._handles = [] if getattr(ddp_model, "static_graph", False) else [
+            ddp_model.register_forward_pre_hook(self._pre_forward),
+            ddp_model.register_forward_hook(self._post_forward),
+        ]
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.phase.local and module.require_backward_grad_sync:
+            module.require_backward_grad_sync = False  # as no_sync(): the reducer sits this one out
+            self._bypassed = True
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._bypassed:
+            module.require_backward_grad_sync = True
+            self._bypassed = False
+
+
+def _stop_buffer_broadcast(ddp_model: nn.Module) -> None:
+    """Turn off DDP's broadcast of rank 0's buffers before each forward.
+
+    torch <= 2.12 reads the plain attribute ``broadcast_buffers``; later versions read
+    ``forward_sync_buffers`` (``broadcast_buffers`` became a property over it). Set both.
+    """
+    if hasattr(ddp_model, "forward_sync_buffers"):
+        ddp_model.forward_sync_buffers = False
+    ddp_model.broadcast_buffers = False
+
+
+def attach(model: Optional[nn.Module], optimizer: Any, warmup_steps: int,
+           process_group=None) -> Optional[DDPBridge]:
+    """Install the local-SGD bridge on ``model`` if it is a DDP model; None otherwise."""
+    if not is_ddp(model) or not dist.is_initialized():
+        return None
+    ddp_group = getattr(model, "process_group", None)
+    if dist.get_world_size(ddp_group) != dist.get_world_size(process_group):
+        raise ConfigError("flodl_opt: the DistributedDataParallel model and LocalSGDOptimizer use "
+                          "process groups of different sizes; pass the DDP model's group as "
+                          "process_group=")
+    bridge = getattr(model, _ATTR, None)
+    if bridge is not None:
+        bridge.phase.retarget(optimizer, warmup_steps)
+        return bridge
+    bridge = DDPBridge(model, optimizer, warmup_steps)
+    setattr(model, _ATTR, bridge)
+    return bridge

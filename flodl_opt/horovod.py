@@ -1,0 +1,791 @@
+"""Horovod-shaped API: the synchronous baseline, broadcasts and metric reductions.
+
+A Horovod script runs with renames only (``import flodl_opt as hvd``)::
+
+    import torch, flodl_opt as hvd
+    hvd.init()
+    model = torch.nn.Linear(10, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()                      # gradients averaged across ranks, then the inner step
+    loss = hvd.allreduce(torch.tensor(1.0), name="avg_loss")   # metrics
+
+``DistributedOptimizer`` averages gradients before every inner step in ONE fused collective per
+gradient dtype (a persistent flat buffer; each ``p.grad`` becomes a view of it), not one per
+parameter. Swapping it for ``LocalSGDOptimizer`` is the one-argument change to local SGD.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import launch
+from .errors import ConfigError
+from .flat import unique
+
+__all__ = [
+    "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
+    "DistributedOptimizer", "allreduce", "allreduce_", "broadcast", "broadcast_",
+    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+]
+
+
+# ---------------------------------------------------------------- reduction ops
+class ReduceOp:
+    """A reduction for ``allreduce`` and ``DistributedOptimizer(op=...)`` (Horovod's names)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"flodl_opt.{self.name}"
+
+    def __reduce__(self):  # pickles as the module-level singleton
+        return self.name
+
+
+Average = ReduceOp("Average")
+Sum = ReduceOp("Sum")
+Min = ReduceOp("Min")
+Max = ReduceOp("Max")
+Product = ReduceOp("Product")
+Adasum = ReduceOp("Adasum")  # named so Horovod scripts import; rejected with a clear message
+
+_TORCH_OPS = {"Sum": dist.ReduceOp.SUM, "Average": dist.ReduceOp.SUM, "Min": dist.ReduceOp.MIN,
+              "Max": dist.ReduceOp.MAX, "Product": dist.ReduceOp.PRODUCT}
+
+
+def _op(op: Optional[ReduceOp], average: Optional[bool] = None) -> ReduceOp:
+    if op is None:
+        return Average if average is None or average else Sum
+    if average is not None:
+        raise ConfigError("pass either op= or the deprecated average=, not both")
+    if not isinstance(op, ReduceOp):
+        raise ConfigError(f"op must be flodl_opt.Average, Sum, Min, Max or Product, got {op!r}")
+    if op is Adasum:
+        raise ConfigError("Adasum is not supported: use op=flodl_opt.Average (the default), or "
+                          "LocalSGDOptimizer for communication-efficient training")
+    return op
+
+
+# ---------------------------------------------------------------- compression
+class Compressor:
+    """Gradient compression on the wire: reduce in ``wire_dtype`` instead of the gradient's dtype."""
+
+    wire_dtype: Optional[torch.dtype] = None
+
+    def __init__(self, name: str, wire_dtype: Optional[torch.dtype]):
+        self.name, self.wire_dtype = name, wire_dtype
+
+    def __repr__(self) -> str:
+        return f"flodl_opt.Compression.{self.name}"
+
+
+class Compression:
+    """Horovod's ``Compression.none`` / ``Compression.fp16`` (float32/64 grads reduced in float16)."""
+
+    none = Compressor("none", None)
+    fp16 = Compressor("fp16", torch.float16)
+
+
+# ---------------------------------------------------------------- small collective helpers
+def _group_size(group) -> int:
+    launch.ensure_init()
+    if launch.size() == 1:
+        return 1
+    return dist.get_world_size(group)
+
+
+def _global_rank(group, rank: int) -> int:
+    size = dist.get_world_size(group)
+    if not 0 <= rank < size:
+        raise ConfigError(f"root_rank={rank} is outside the group of {size} ranks")
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def _comm_device() -> torch.device:
+    """Where host-side helpers stage tensors for a collective: NCCL needs CUDA, Gloo takes CPU."""
+    return launch.device() if launch.backend() == "nccl" else torch.device("cpu")
+
+
+def _agree(ok: bool, group) -> bool:
+    """True on every rank iff ``ok`` on every rank (one tiny MIN), so a bad rank fails them all."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _wire_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def _broadcast_into(targets: Sequence[torch.Tensor], root: int, group) -> None:
+    """Broadcast ``targets`` from global rank ``root`` into the same tensors elsewhere.
+
+    One collective per dtype (the tensors are packed into a flat buffer on the comm device),
+    not one per tensor. On the root the targets are only read.
+    """
+    dev = _comm_device()
+    by_dtype: "OrderedDict[torch.dtype, List[torch.Tensor]]" = OrderedDict()
+    for t in targets:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    is_root = dist.get_rank() == root
+    with torch.no_grad():
+        for dtype, ts in by_dtype.items():
+            if is_root:
+                flat = torch.cat([_wire_view(t.detach()).reshape(-1).to(dev) for t in ts])
+            else:
+                wire = torch.uint8 if dtype == torch.bool else dtype
+                flat = torch.empty(sum(t.numel() for t in ts), dtype=wire, device=dev)
+            dist.broadcast(flat, src=root, group=group)
+            if is_root:
+                continue
+            offset = 0
+            for t in ts:
+                n = t.numel()
+                _wire_view(t).copy_(flat[offset:offset + n].view(t.shape))
+                offset += n
+
+
+# ---------------------------------------------------------------- metrics and broadcasts
+def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+               op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0, process_group=None, compression=None) -> torch.Tensor:
+    """In-place ``allreduce`` (Horovod's ``allreduce_``); returns ``tensor``."""
+    op = _op(op, average)
+    if op is Average and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ConfigError(f"Average of a {tensor.dtype} tensor{f' ({name})' if name else ''}: "
+                          "use op=flodl_opt.Sum or convert it to float first")
+    n = _group_size(process_group)
+    with torch.no_grad():
+        if prescale_factor != 1.0:
+            tensor.mul_(prescale_factor)
+        if n > 1:
+            dev = _comm_device()
+            buf = tensor if tensor.device == dev else tensor.to(dev)
+            dist.all_reduce(buf, op=_TORCH_OPS[op.name], group=process_group)
+            if buf is not tensor:
+                tensor.copy_(buf)
+        post = postscale_factor / n if op is Average else postscale_factor
+        if post != 1.0:
+            tensor.mul_(post)
+    return tensor
+
+
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_group=None, compression=None) -> torch.Tensor:
+    """The reduction of ``tensor`` over all ranks, in a new tensor (default: the average).
+
+    For metrics and other small tensors; a collective, so every rank calls it in the same order.
+
+    Example::
+
+        val_loss = flo.allreduce(torch.tensor(local_loss), name="val_loss")   # mean over ranks
+        correct = flo.allreduce(torch.tensor(n_correct), op=flo.Sum)
+    """
+    return allreduce_(tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor,
+                      process_group)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = None,
+               process_group=None) -> torch.Tensor:
+    """Overwrite ``tensor`` with root's value, in place (Horovod's ``broadcast_``)."""
+    if _group_size(process_group) > 1:
+        _broadcast_into([tensor], _global_rank(process_group, root_rank), process_group)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = None,
+              process_group=None) -> torch.Tensor:
+    """Root's value of ``tensor``, in a new tensor."""
+    return broadcast_(tensor.detach().clone(), root_rank, name, process_group)
+
+
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None,
+                     process_group=None) -> Any:
+    """Root's ``obj`` (any picklable object) on every rank.
+
+    Example::
+
+        epoch = flo.broadcast_object(resume_epoch, root_rank=0)
+    """
+    if _group_size(process_group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=_global_rank(process_group, root_rank), group=process_group)
+    return box[0]
+
+
+def _named_tensors(params) -> List[Tuple[str, torch.Tensor]]:
+    if isinstance(params, dict):
+        items = sorted(params.items(), key=lambda kv: str(kv[0]))  # same order on every rank
+    else:
+        items = [p if isinstance(p, tuple) else (f"#{i}", p) for i, p in enumerate(params)]
+    out = []
+    for name, t in items:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"broadcast_parameters: {name!r} is a {type(t).__name__}, not a tensor; "
+                              "pass model.state_dict() or model.named_parameters(), and send other "
+                              "objects with broadcast_object()")
+        out.append((str(name), t))
+    return out
+
+
+def broadcast_parameters(params, root_rank: int = 0, process_group=None) -> None:
+    """Overwrite every rank's tensors with root's, in place.
+
+    Args:
+        params: ``model.state_dict()`` (buffers included), ``model.named_parameters()``, a dict
+            of tensors, or a list of tensors. The same names/shapes/dtypes on every rank, or
+            every rank raises ``ConfigError``.
+        root_rank: the rank whose values win.
+
+    One fused collective per dtype; call it once after building the model.
+
+    Example::
+
+        flo.broadcast_parameters(model.state_dict(), root_rank=0)
+    """
+    if _group_size(process_group) == 1:
+        return
+    root = _global_rank(process_group, root_rank)
+    named = _named_tensors(params)
+    mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
+    theirs = broadcast_object(mine, root_rank, process_group=process_group)
+    ok = mine == theirs
+    if not _agree(ok, process_group):
+        diff = "" if ok else _first_difference(mine, theirs)
+        raise ConfigError("broadcast_parameters: ranks hold different tensors (names, shapes or dtypes "
+                          f"differ from root rank {root_rank}){diff}; build the same model on every rank")
+    _broadcast_into([t for _, t in named], root, process_group)
+
+
+def _first_difference(mine: list, theirs: list) -> str:
+    if len(mine) != len(theirs):
+        return f": this rank has {len(mine)} tensors, root has {len(theirs)}"
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return f": this rank {a}, root {b}"
+    return ""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor sat in root's optimizer state (the tensors travel separately, fused)."""
+
+    index: int
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    on_cpu: bool
+
+
+def _strip(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type == "cpu")
+    if isinstance(obj, dict):
+        return type(obj)((k, _strip(v, tensors)) for k, v in obj.items()) if not isinstance(
+            obj, OrderedDict) else OrderedDict((k, _strip(v, tensors)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_strip(v, tensors) for v in obj)
+    return obj
+
+
+def _slots(obj: Any, out: List[_Slot]) -> None:
+    if isinstance(obj, _Slot):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _slots(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _slots(v, out)
+
+
+def _fill(obj: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return type(obj)((k, _fill(v, tensors)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    from .optimizer import LocalSGDOptimizer
+    if isinstance(optimizer, (LocalSGDOptimizer, DistributedOptimizer)):
+        return optimizer.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"broadcast_optimizer_state takes a torch optimizer, got {type(optimizer).__name__}")
+    return optimizer
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              process_group=None) -> None:
+    """Give every rank root's optimizer state and hyperparameters.
+
+    Root's ``state_dict()`` is sent as is (structure as one object, the tensors in one fused
+    collective per dtype) and loaded on the other ranks; root's own state is not touched. Unlike
+    Horovod's version, nothing is stepped with zero gradients to create missing state (which
+    advances Adam's step count and moments), and a rank whose state is still empty simply
+    receives root's. Works on plain torch optimizers and on flodl_opt's wrappers (their inner
+    optimizer).
+
+    Example::
+
+        flo.broadcast_optimizer_state(opt, root_rank=0)   # e.g. after rank 0 loaded a checkpoint
+    """
+    inner = _inner_optimizer(optimizer)
+    if _group_size(process_group) == 1:
+        return
+    root = _global_rank(process_group, root_rank)
+    is_root = dist.get_rank() == root
+    tensors: List[torch.Tensor] = []
+    skeleton = _strip(inner.state_dict(), tensors) if is_root else None
+    skeleton = broadcast_object(skeleton, root_rank, process_group=process_group)
+    layout = [len(g["params"]) for g in inner.param_groups]
+    root_layout = [len(g["params"]) for g in skeleton["param_groups"]]
+    if not _agree(layout == root_layout, process_group):
+        raise ConfigError("broadcast_optimizer_state: ranks' optimizers hold different param groups "
+                          f"(params per group here {layout}, on root rank {root_rank} {root_layout}); "
+                          "build the same optimizer on every rank")
+    if not is_root:
+        slots: List[_Slot] = []
+        _slots(skeleton, slots)
+        slots.sort(key=lambda s: s.index)
+        dev = launch.device()
+        tensors = [torch.empty(s.shape, dtype=s.dtype, device="cpu" if s.on_cpu else dev) for s in slots]
+    _broadcast_into(tensors, root, process_group)
+    error: Optional[BaseException] = None
+    if not is_root:
+        try:
+            inner.load_state_dict(_fill(skeleton, tensors))
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            error = e
+    if not _agree(error is None, process_group):
+        raise ConfigError(f"broadcast_optimizer_state: loading root's state failed"
+                          f"{f' here: {error}' if error else ' on another rank'}") from error
+
+
+# ---------------------------------------------------------------- DistributedOptimizer
+def _exact_int_limit(dtype: torch.dtype) -> int:
+    """Largest integer count a reduction in ``dtype`` still carries exactly."""
+    return {torch.float16: 2048, torch.bfloat16: 256}.get(dtype, 1 << 24)
+
+
+class _GradBuffer:
+    """The persistent flat gradient buffer of one (device, dtype): each ``p.grad`` is a view of it.
+
+    ``flat`` holds the gradients (plus, in one buffer per optimizer, one trailing element:
+    the contributor count that rides the same collective). ``wire`` is what the collective
+    reduces: ``flat`` itself, or a staging twin in the compression dtype.
+    """
+
+    def __init__(self, params: List[torch.Tensor], names: List[str], count_slot: bool,
+                 wire_dtype: Optional[torch.dtype]):
+        self.params, self.names = params, names
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.numel = sum(p.numel() for p in params)
+        self.count_slot = count_slot
+        self.flat = torch.zeros(self.numel + int(count_slot), dtype=self.dtype, device=self.device)
+        self.views: List[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self._view_ptrs = [v.data_ptr() for v in self.views]
+        self.wire = self.flat if wire_dtype in (None, self.dtype) else torch.empty(
+            self.flat.numel(), dtype=wire_dtype, device=self.device)
+
+    @property
+    def grads(self) -> torch.Tensor:
+        return self.flat[:self.numel]
+
+    def gather(self, sparse_as_dense: bool) -> None:
+        """Make every ``p.grad`` a view of the buffer, holding its current value (zero if none)."""
+        copy_dst, copy_src, zero = [], [], []
+        for p, view, ptr, name in zip(self.params, self.views, self._view_ptrs, self.names):
+            g = p.grad
+            if g is None:
+                zero.append(view)
+            elif g.data_ptr() == ptr and g.shape == view.shape:
+                continue  # already ours: autograd accumulated in place
+            else:
+                if g.is_sparse:
+                    if not sparse_as_dense:
+                        raise ConfigError(f"DistributedOptimizer: {name} has a sparse gradient; pass "
+                                          "sparse_as_dense=True or build the module with sparse=False")
+                    g = g.to_dense()
+                copy_dst.append(view)
+                copy_src.append(g)
+        if zero:
+            torch._foreach_zero_(zero)
+        if copy_dst:
+            torch._foreach_copy_(copy_dst, copy_src)
+        if zero or copy_dst:
+            for p, view, ptr in zip(self.params, self.views, self._view_ptrs):
+                if p.grad is None or p.grad.data_ptr() != ptr:
+                    p.grad = view
+
+    def clear(self) -> None:
+        """Zero contribution (a joined rank): grads zeroed and bound to the buffer."""
+        self.flat.zero_()
+        for p, view, ptr in zip(self.params, self.views, self._view_ptrs):
+            if p.grad is None or p.grad.data_ptr() != ptr:
+                p.grad = view
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Synchronous data parallelism with Horovod's semantics, around any torch optimizer.
+
+    Before every inner step the gradients are summed over ranks and (``op=Average``) divided by
+    the number of contributing ranks, in ONE fused in-place collective per gradient dtype: each
+    ``p.grad`` is a view of a persistent flat buffer. Gradients accumulate locally over
+    ``backward_passes_per_step`` backward passes between steps (scale the loss yourself, as in
+    Horovod: the accumulated sum is what gets averaged).
+
+    Args:
+        optimizer: an already built torch optimizer (its ``param_groups`` are shared).
+        named_parameters: ``model.named_parameters()``, for error messages naming tensors.
+        compression: ``Compression.none`` or ``Compression.fp16`` (float32 grads reduced in fp16).
+        backward_passes_per_step: backward passes before each ``step()``; more raises on every rank.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with ``Average``, scale by ``1/f`` before the sum and by
+            ``f/n`` after it (guards low-precision sums against overflow).
+        sparse_as_dense: densify sparse gradients instead of refusing them.
+        process_group: the group to average over (default: the world).
+
+    Clipping and AMP, as in Horovod::
+
+        loss.backward()
+        opt.synchronize()                       # grads are averaged now
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with opt.skip_synchronize():
+            opt.step()
+
+    Uneven data: wrap the loop in ``with opt.join():``; a rank that runs out keeps answering its
+    peers' steps with zero gradients that do not count in the average (and applies the same
+    averaged step, so parameters stay identical), until every rank has joined.
+
+    ``num_groups``/``groups`` are accepted for Horovod compatibility and ignored (everything of
+    one dtype is already a single collective).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
+                 compression: Compressor = Compression.none, backward_passes_per_step: int = 1,
+                 op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
+                 num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                 process_group: Optional[dist.ProcessGroup] = None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"DistributedOptimizer wraps a built torch.optim.Optimizer, got "
+                              f"{type(optimizer).__name__}")
+        from .optimizer import LocalSGDOptimizer
+        if isinstance(optimizer, (DistributedOptimizer, LocalSGDOptimizer)):
+            raise ConfigError("the optimizer is already wrapped by flodl_opt; wrap the inner optimizer once")
+        op = _op(op)
+        if op not in (Average, Sum):
+            raise ConfigError(f"DistributedOptimizer averages or sums gradients: op must be "
+                              f"flodl_opt.Average or flodl_opt.Sum, got {op!r}")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+                or backward_passes_per_step < 1:
+            raise ConfigError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+        if compression is None:
+            compression = Compression.none
+        if not isinstance(compression, Compressor):
+            raise ConfigError(f"compression must be flodl_opt.Compression.none or .fp16, got {compression!r}")
+        if not gradient_predivide_factor > 0:
+            raise ConfigError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor!r}")
+        if gradient_predivide_factor != 1.0 and op is not Average:
+            raise ConfigError("gradient_predivide_factor only applies to op=flodl_opt.Average")
+        launch.ensure_init()
+
+        # Share the inner optimizer (Optimizer.__init__ is deliberately not called: it would
+        # rebuild param_groups and state).
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._patch_step_function()
+
+        self.op, self.compression = op, compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.sparse_as_dense = sparse_as_dense
+        self.process_group = process_group
+        self._size = _group_size(process_group)
+        self._params = [p for p in unique(p for g in optimizer.param_groups for p in g["params"])
+                        if p.requires_grad]
+        self._names = _param_names(self._params, named_parameters)
+        self._should_synchronize = True
+        self._synchronized = False
+        self._joined = False
+        self._passes = [0] * len(self._params)
+        self._pending: Optional[Tuple[torch.Tensor, Any]] = None
+        self._hooks: list = []
+        self._buffers: List[_GradBuffer] = []
+        if self._size > 1:
+            self._build_buffers()
+            self._check_same_everywhere()
+            for i, p in enumerate(self._params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(_PassCounter(self._passes, i)))
+
+    # ------------------------------------------------------------ Optimizer surface
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        raise ConfigError("DistributedOptimizer's fused gradient buffers are fixed when it is built; "
+                          "add the param group to the inner optimizer before wrapping it")
+
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._passes[:] = [0] * len(self._passes)
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ConfigError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
+        self.backward_passes_per_step = passes
+
+    def __repr__(self) -> str:
+        return (f"DistributedOptimizer({type(self.optimizer).__name__}, op={self.op!r}, "
+                f"compression={self.compression!r}, "
+                f"backward_passes_per_step={self.backward_passes_per_step})")
+
+    # ------------------------------------------------------------ the data path
+    def synchronize(self) -> None:
+        """Average the gradients now (collective); ``step()`` then skips it until the next step."""
+        if self._synchronized:
+            return
+        if self._size > 1:
+            too_many = max(self._passes, default=0) > self.backward_passes_per_step
+            for b in self._buffers:
+                b.gather(self.sparse_as_dense)
+            count = self._reduce(contribute=True, too_many=too_many)
+            self._check_passes(count, too_many)
+        self._passes[:] = [0] * len(self._passes)
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside this block does not synchronize (call ``synchronize()`` first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        """(closure ->) average gradients -> inner step. Returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._should_synchronize:
+            self.synchronize()
+        self._synchronized = False
+        self.optimizer.step()
+        return loss
+
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Uneven data: after the block, answer the peers' steps with zero gradients until all joined.
+
+        Every rank wraps its loop in ``with opt.join():``. A joined rank's zero gradients do not
+        count in the average (a contributor count rides the same collective), and it applies
+        the averaged gradients like its peers, so all ranks end with the same parameters; they
+        are finally broadcast from the last rank to join (which ran any clipping or scaling the
+        joined ranks could not replay).
+        """
+        yield
+        if self._size == 1:
+            return
+        rounds = 0
+        self._joined = True
+        try:
+            while True:
+                for b in self._buffers:
+                    b.clear()
+                count = self._reduce(contribute=False, too_many=False)
+                n = int(count.item())
+                self._raise_if_negative(n, False)
+                if n == 0:
+                    break
+                rounds += 1
+                self._passes[:] = [0] * len(self._passes)
+                self.optimizer.step()
+        finally:
+            self._joined = False
+            self._synchronized = False
+        # The last rank to join (fewest joined rounds; lowest rank on ties) holds the reference.
+        key = torch.tensor([rounds * self._size + dist.get_rank(self.process_group)],
+                           dtype=torch.int64, device=_comm_device())
+        dist.all_reduce(key, op=dist.ReduceOp.MIN, group=self.process_group)
+        last = int(key.item()) % self._size
+        _broadcast_into(self._params, _global_rank(self.process_group, last), self.process_group)
+
+    # ------------------------------------------------------------ internals
+    def _build_buffers(self) -> None:
+        by_key: "OrderedDict[Tuple[torch.device, torch.dtype], List[int]]" = OrderedDict()
+        for i, p in enumerate(self._params):
+            if not p.is_floating_point():
+                raise ConfigError(f"DistributedOptimizer: {self._names[i]} is {p.dtype}; only floating "
+                                  "point params get gradients")
+            by_key.setdefault((p.device, p.dtype), []).append(i)
+        wire_of = {}
+        for (_, dtype) in by_key:
+            w = self.compression.wire_dtype
+            wire_of[dtype] = w if (w is not None and dtype in (torch.float32, torch.float64)) else dtype
+        # The contributor count rides in the first buffer that carries the world size exactly.
+        keys = list(by_key)
+        exact = [k for k in keys if _exact_int_limit(wire_of[k[1]]) >= 2 * self._size + 1]
+        count_key = exact[0] if exact else keys[0]
+        for key, idx in by_key.items():
+            wire = wire_of[key[1]]
+            if key == count_key and not exact:
+                wire = torch.float32  # a narrow-only model on a huge world: count needs float32
+            self._buffers.append(_GradBuffer([self._params[i] for i in idx], [self._names[i] for i in idx],
+                                             key == count_key, wire))
+        self._count_buffer = next(b for b in self._buffers if b.count_slot)
+
+    def _reduce(self, contribute: bool, too_many: bool) -> torch.Tensor:
+        """One in-place SUM per buffer, then scale; returns the contributor count (a 0-dim tensor)."""
+        cb = self._count_buffer
+        # 1 = contributing, 0 = joined, a large negative = too many backward passes (all raise).
+        cb.flat[-1].fill_(-2.0 * self._size if too_many else (1.0 if contribute else 0.0))
+        pre = 1.0 / self.gradient_predivide_factor
+        works = []
+        for b in self._buffers:
+            if b.wire is not b.flat:
+                b.wire.copy_(b.flat)
+            if pre != 1.0:
+                b.wire[:b.numel].mul_(pre)
+            works.append(dist.all_reduce(b.wire, op=dist.ReduceOp.SUM, group=self.process_group,
+                                         async_op=True))
+        for w in works:
+            w.wait()
+        count = cb.wire[-1]
+        scale = None
+        if self.op is Average:
+            scale = self.gradient_predivide_factor / count.double().clamp(min=1.0)
+        for b in self._buffers:
+            if b.wire is not b.flat:
+                b.flat[:b.numel].copy_(b.wire[:b.numel])
+            if scale is not None:
+                b.grads.mul_(scale.to(b.dtype))
+        return count
+
+    def _check_passes(self, count: torch.Tensor, too_many: bool) -> None:
+        """Raise on every rank when any rank accumulated too many backward passes.
+
+        On CPU the count is read at once. On CUDA it is copied to pinned memory without waiting
+        and checked at the next step, so a step never stalls the host on the collective.
+        """
+        if count.is_cuda and not too_many:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                pending[1].synchronize()
+                self._raise_if_negative(float(pending[0]), False)
+            host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            host.copy_(count, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (host, event)
+            return
+        self._raise_if_negative(float(count), too_many)
+
+    def _raise_if_negative(self, count: float, too_many: bool) -> None:
+        if count >= 0:
+            return
+        here = max(self._passes, default=0)
+        raise ConfigError(f"DistributedOptimizer: gradients were accumulated over more backward passes "
+                          f"than backward_passes_per_step={self.backward_passes_per_step} before step()"
+                          f"{f' (this rank: {here})' if too_many else ' on another rank'}; "
+                          "raise backward_passes_per_step or call step() after every backward")
+
+    def _check_same_everywhere(self) -> None:
+        desc = [(str(b.dtype), str(b.wire.dtype), b.count_slot, [tuple(p.shape) for p in b.params])
+                for b in self._buffers]
+        desc.append((self.op.name, self.compression.name, self.gradient_predivide_factor))
+        digest = hashlib.sha1(repr(desc).encode()).hexdigest()
+        summary = [(d[0], len(d[3]), sum(_numel(s) for s in d[3])) for d in desc[:-1]] + [desc[-1]]
+        gathered: List[Any] = [None] * self._size
+        dist.all_gather_object(gathered, (digest, summary), group=self.process_group)
+        bad = [r for r, (d, _) in enumerate(gathered) if d != gathered[0][0]]
+        if bad:
+            lines = "\n".join(f"  rank {r}: {s}" for r, (_, s) in enumerate(gathered))
+            raise ConfigError(
+                f"DistributedOptimizer: ranks wrap different models or options (ranks {bad} differ "
+                f"from rank 0; (dtype, tensors, elements) per buffer, then op/compression):\n{lines}\n"
+                "Build the same model, optimizer and DistributedOptimizer arguments on every rank.")
+
+
+class _PassCounter:
+    """Counts backward passes per parameter (a post-accumulate-grad hook; no self reference)."""
+
+    def __init__(self, counts: List[int], index: int):
+        self.counts, self.index = counts, index
+
+    def __call__(self, _param: torch.Tensor) -> None:
+        self.counts[self.index] += 1
+
+
+def _param_names(params: List[torch.Tensor], named_parameters) -> List[str]:
+    if named_parameters is None:
+        return [f"param #{i} (shape {tuple(p.shape)})" for i, p in enumerate(params)]
+    named = list(named_parameters)
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ConfigError(f"named_parameters has duplicate names: {dups[:8]}")
+    by_id = {id(p): n for n, p in named}
+    unnamed = [tuple(p.shape) for p in params if id(p) not in by_id]
+    if unnamed:
+        raise ConfigError(f"named_parameters was given but {len(unnamed)} optimizer param(s) are not in it "
+                          f"(shapes {unnamed[:4]}); pass the model's named_parameters()")
+    return [by_id[id(p)] for p in params]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -163,7 +163,8 @@ def build_optimizer(args, model: nn.Module):
         if not hasattr(flo, "DistributedOptimizer"):
             raise SystemExit("--mode allreduce needs flodl_opt.DistributedOptimizer, which this "
                              "version lacks; use --sync-every 1 for a synchronous baseline")
-        # Gradients averaged every step (Horovod semantics); clip and schedule around it.
+        # The synchronous baseline: gradients averaged every step (Horovod's semantics).
+        flo.broadcast_parameters(model.state_dict(), root_rank=0)
         return flo.DistributedOptimizer(inner, named_parameters=model.named_parameters()), sched
     outer = args.outer
     if args.outer in ("diloco", "slowmo") and (args.outer_lr is not None or args.outer_momentum is not None):
@@ -215,13 +216,15 @@ def train(args) -> dict:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"charlm: {world} rank(s) on {flo.backend()}, {n_params / 1e6:.2f}M params, "
         f"{train_data.numel() / 1e6:.2f}M train / {val_data.numel() / 1e6:.2f}M val bytes, "
-        f"mode={args.mode} sync_every={args.sync_every} outer={args.outer}")
+        + ("mode=allreduce (gradients averaged every step)" if args.mode == "allreduce"
+           else f"sync_every={args.sync_every} outer={args.outer}"))
 
     curve, collectives, comm_bytes, syncs = [], 0, 0, 0
     last_seen, divergence = None, None
     train_sum, train_n = 0.0, 0
     t0 = time.perf_counter()
     tokens_per_step = args.batch_size * args.context * world
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     def record(step: int) -> dict:
         nonlocal train_sum, train_n
@@ -250,12 +253,17 @@ def train(args) -> dict:
         loss = loss_fn(model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if sched is not None:  # allreduce mode: the wrapper does not own clipping and scheduling
+        if args.mode == "allreduce":  # Horovod's way: average the gradients, clip, step, schedule
+            opt.synchronize()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if sched is not None:
+            with opt.skip_synchronize():
+                opt.step()
             sched.step()
-        count_sync()
+            if world > 1:  # one fused collective of all gradients
+                syncs, collectives, comm_bytes = syncs + 1, collectives + 1, comm_bytes + grad_bytes
+        else:
+            opt.step()  # clip -> AdamW step -> scheduler -> every K steps: consensus (+ outer step)
+            count_sync()
         train_sum += loss.item()
         train_n += 1
         if step == args.steps and args.mode == "localsgd" and step % args.sync_every:
@@ -276,6 +284,14 @@ def train(args) -> dict:
     wall = time.perf_counter() - t0
     final = dict(curve[-1])
     final.update(wall_s=wall, tokens_per_s=args.steps * tokens_per_step / wall)
+    # Every rank's weights, summarized: after the closing sync they must be identical.
+    with torch.no_grad():
+        mine = torch.stack([p.double().sum() for p in model.parameters()]).sum().item()
+    checksums = [mine]
+    if world > 1:
+        checksums = [None] * world
+        dist.all_gather_object(checksums, mine)
+    final["param_checksums"] = checksums
     result = {"config": {**vars(args), "world_size": world, "backend": flo.backend(), "params": n_params,
                          "train_bytes": train_data.numel(), "val_bytes": val_data.numel(),
                          "torch": torch.__version__},

@@ -62,6 +62,23 @@ def test_two_ranks_launch_themselves_and_log_the_curve(tmp_path):
     per_sync, rest = divmod(final["bytes"], 6)
     assert rest == 0 and 0 < per_sync - 4 * n <= 128, (final["bytes"], n)
     assert final["tokens_per_s"] > 0
+    a, b = final["param_checksums"]
+    assert a == b  # the run ends on the consensus: both ranks hold the same weights
+
+
+@pytest.mark.skipif(not hasattr(__import__("flodl_opt"), "DistributedOptimizer"),
+                    reason="flodl_opt.DistributedOptimizer is not available")
+def test_allreduce_baseline_mode(tmp_path):
+    log = tmp_path / "curve.json"
+    run_example(["--nproc", "2", "--mode", "allreduce", "--steps", "12", "--eval-every", "6",
+                 *TINY, "--log", str(log)])
+    res = json.loads(log.read_text())
+    vals = [p["val_loss"] for p in res["curve"]]
+    assert vals[-1] < vals[0] - 0.3, vals
+    final, n = res["final"], res["config"]["params"]
+    assert (final["syncs"], final["collectives"], final["bytes"]) == (12, 12, 12 * 4 * n)
+    a, b = final["param_checksums"]
+    assert a == b  # averaged gradients, identical steps: identical weights every step
 
 
 def test_corpus_split_and_model_are_deterministic_and_causal():

@@ -58,8 +58,11 @@ class _Phase:
         return opt is not None and opt.local_steps >= self.warmup_steps
 
 
-def _local_sgd_hook(state: _Phase, bucket: "dist.GradBucket") -> torch.futures.Future:
-    """DDP comm hook: average across ranks in warm-up, keep the local gradient afterwards."""
+def _local_sgd_hook(state, bucket):
+    """DDP comm hook: average across ranks in warm-up, keep the local gradient afterwards.
+
+    (No annotations: DDP checks them by identity, and this module's are strings.)
+    """
     buf = bucket.buffer()
     if state.local:
         fut: torch.futures.Future = torch.futures.Future()

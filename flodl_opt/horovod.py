@@ -299,8 +299,7 @@ def _strip(obj: Any, tensors: List[torch.Tensor]) -> Any:
         tensors.append(obj)
         return _Slot(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type == "cpu")
     if isinstance(obj, dict):
-        return type(obj)((k, _strip(v, tensors)) for k, v in obj.items()) if not isinstance(
-            obj, OrderedDict) else OrderedDict((k, _strip(v, tensors)) for k, v in obj.items())
+        return type(obj)((k, _strip(v, tensors)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
         return type(obj)(_strip(v, tensors) for v in obj)
     return obj

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import warnings
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -31,9 +33,10 @@ from torch import nn
 
 from . import ddp, launch
 from .consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
-from .errors import ConfigError
+from .errors import ConfigError, NonFiniteWarning
 from .flat import FlatGroup, pack, signature, unique
 from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
+from .stall import DEFAULT_STALL_WARNING_S, StallWatchdog
 
 STATE_KEY = "flodl_opt"
 STATE_VERSION = 1
@@ -67,6 +70,8 @@ class LocalSGDOptimizer(torch.optim.Optimizer):
             and for the divergence readout. Costs one copy of the params (default True).
         nonfinite_guard: a rank whose params are NaN/Inf gets no vote and adopts the consensus.
         gloo_chunk_bytes: on Gloo, reduce in chunks of this size so scaling overlaps the reduction.
+        stall_warning_s: log a warning naming the sync and the ranks that have not arrived when
+            this rank waits at one sync longer than this (``None``: no watchdog thread).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[nn.Module] = None,
@@ -74,7 +79,8 @@ class LocalSGDOptimizer(torch.optim.Optimizer):
                  max_grad_norm: Optional[float] = None, lr_scheduler: Any = None,
                  gamma: float = 1.0, process_group: Optional[dist.ProcessGroup] = None, *,
                  broadcast_initial: bool = True, keep_presync: bool = True,
-                 nonfinite_guard: bool = True, gloo_chunk_bytes: int = DEFAULT_GLOO_CHUNK_BYTES):
+                 nonfinite_guard: bool = True, gloo_chunk_bytes: int = DEFAULT_GLOO_CHUNK_BYTES,
+                 stall_warning_s: Optional[float] = DEFAULT_STALL_WARNING_S):
         _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma)
         launch.ensure_init()
         # Share the inner optimizer's attributes; Optimizer.__init__ is deliberately not called
@@ -119,6 +125,21 @@ class LocalSGDOptimizer(torch.optim.Optimizer):
             if broadcast_initial:
                 self._broadcast_from_root(inner_model)
         self.outer.setup(self._param_groups_flat)
+        # CUDA: packing copied every tensor into its flat buffer on the current stream and freed
+        # the old storage, which the caching allocator may hand to another stream at once; the
+        # anchor copies above are queued too. Let them land before any stream touches the params.
+        cuda = [g.device for g in self._param_groups_flat + self._buffer_groups_flat if g.device.type == "cuda"]
+        self._cuda_index: Optional[int] = cuda[0].index if cuda else None
+        for index in sorted({d.index for d in cuda}):
+            torch.cuda.synchronize(index)
+        self._train_stream: Optional[tuple] = None  # stream of the last inner step (CUDA only)
+        self._stream_fence = True  # private switch: the GPU tests turn it off to prove they can fail
+
+        self._stall: Optional[StallWatchdog] = None
+        if group_size > 1 and stall_warning_s is not None:
+            self._stall = _make_watchdog(float(stall_warning_s), process_group)
+            weakref.finalize(self, self._stall.close)
+        self._synced_ids = {id(t) for t in self._params}
 
         self._local_steps = 0        # optimizer steps this rank took
         self._steps_since_sync = 0   # n_i
@@ -175,6 +196,10 @@ class LocalSGDOptimizer(torch.optim.Optimizer):
             loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        if self._cuda_index is not None:
+            # Remember the stream the inner step ran on (a tuple, no Stream object: ~0.3 us),
+            # so a sync issued from another stream can be ordered after it (see _sync).
+            self._train_stream = _stream_key(self._cuda_index)
         self._local_steps += 1
         self._steps_since_sync += 1
         if self._local_steps <= self.warmup_steps or self._steps_since_sync >= self.sync_every:
@@ -188,15 +213,37 @@ class LocalSGDOptimizer(torch.optim.Optimizer):
     def _sync(self) -> SyncStats:
         for g in self._param_groups_flat + self._buffer_groups_flat:
             g.check_bound()
-        stats = self._consensus.run(self._steps_since_sync, self._sync_count + 1,
-                                    active=not self._joined)                 # count -> reduce -> readout
-        self._sync_count += 1
-        self._global_steps += stats.cohort_steps
-        self._steps_since_sync = 0
-        if not stats.skipped:
-            self._outer_step(stats)
+        train = self._fence_before_sync()
+        try:
+            stats = self._run_consensus(self._steps_since_sync, self._sync_count + 1,
+                                        active=not self._joined)             # count -> reduce -> readout
+            self._sync_count += 1
+            self._global_steps += stats.cohort_steps
+            self._steps_since_sync = 0
+            if not stats.skipped:
+                self._outer_step(stats)
+        finally:
+            if train is not None:  # the next forward on the training stream comes after the sync
+                train.wait_stream(torch.cuda.current_stream(train.device))
         self.last_sync = stats
         return stats
+
+    def _fence_before_sync(self) -> Optional["torch.cuda.Stream"]:
+        """Order a sync issued on another CUDA stream after the last inner step's kernels.
+
+        A sync inside ``step()`` runs on the stream of the inner step: stream order is the fence,
+        and NCCL's own stream waits on it at issue. An explicit ``sync()`` (or ``join()``) from a
+        different stream than the one that trained (say, the default stream after a loop under
+        ``torch.cuda.stream(s)``) would otherwise snapshot, scale and reduce params that fused
+        optimizer kernels on ``s`` are still writing. Returns the training stream to re-fence
+        after the sync, or ``None`` when the streams are the same (no cost).
+        """
+        key = self._train_stream
+        if key is None or not self._stream_fence or _stream_key(self._cuda_index) == key:
+            return None
+        train = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        torch.cuda.current_stream(train.device).wait_stream(train)
+        return train
 
     def _outer_step(self, stats: SyncStats) -> None:
         groups = self._param_groups_flat
@@ -235,6 +282,42 @@ class LocalSGDOptimizer(torch.optim.Optimizer):
                     break
         finally:
             self._joined = False
+
+    def _run_consensus(self, steps: int, sync_number: int, active: bool) -> SyncStats:
+        """The consensus, under the stall watchdog, with the reliability checks around it."""
+        self._check_model_params()
+        if self._stall is None:
+            stats = self._consensus.run(steps, sync_number, active=active)
+        else:
+            with self._stall.waiting(sync_number):
+                stats = self._consensus.run(steps, sync_number, active=active)
+        if stats.nonfinite:
+            self._reset_nonfinite_inner_state(sync_number)
+        return stats
+
+    def _check_model_params(self) -> None:
+        """A param replaced on the model after wrapping would be neither stepped nor synced."""
+        if self.model is None:
+            return
+        for name, p in unwrap_model(self.model).named_parameters():
+            if p.requires_grad and id(p) not in self._synced_ids:
+                raise ConfigError(
+                    f"flodl_opt: model param {name!r} was replaced after LocalSGDOptimizer was built "
+                    "(a new nn.Parameter assigned to the module), so it is neither stepped nor synced. "
+                    "Change weights in place (model.load_state_dict, param.data.copy_), or build the "
+                    "inner optimizer and LocalSGDOptimizer after replacing it.")
+
+    def _reset_nonfinite_inner_state(self, sync_number: int) -> None:
+        """A rank that adopted the consensus after NaN/Inf drops inner state that would re-poison it."""
+        bad = [p for p, st in self.optimizer.state.items()
+               if any(torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())
+                      for v in st.values())]
+        for p in bad:
+            del self.optimizer.state[p]
+        if bad:
+            warnings.warn(f"flodl_opt: rank {self._rank} reset the inner optimizer state of {len(bad)} "
+                          f"param(s) holding NaN/Inf at sync #{sync_number}", NonFiniteWarning,
+                          stacklevel=4)
 
     # ------------------------------------------------------------ checkpoints
     def config(self) -> Dict[str, Any]:
@@ -337,6 +420,18 @@ class LocalSGDOptimizer(torch.optim.Optimizer):
                 raise ConfigError("flodl_opt: sparse gradients are not supported (an nn.Embedding with "
                                   "sparse=True?); use sparse=False")
         self._checked_grads = True
+
+
+def _stream_key(index: int) -> tuple:
+    """(stream id, device index, device type) of the current CUDA stream of one device."""
+    return tuple(torch._C._cuda_getCurrentStream(index))
+
+
+def _make_watchdog(threshold_s: float, group: Optional[dist.ProcessGroup]) -> StallWatchdog:
+    ranks = dist.get_process_group_ranks(group) if group is not None else \
+        list(range(dist.get_world_size()))
+    tag = getattr(group, "group_name", None) or "world" if group is not None else "world"
+    return StallWatchdog(threshold_s, ranks=ranks, rank=dist.get_rank(), tag=str(tag))
 
 
 def _numel(shape) -> int:

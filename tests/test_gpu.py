@@ -1,0 +1,427 @@
+"""The CUDA path: NCCL PREMUL_SUM consensus, narrow dtypes reduced in float32, and stream ordering.
+
+Skipped without a CUDA device (conftest.py). ``tools/gpu_check.py`` runs this file on a GPU.
+
+* A world of one on NCCL makes no collectives (the consensus of one is the identity), so these tests
+  build an explicit NCCL group of one and switch ``Consensus.distributed`` on: the count and the
+  PREMUL_SUM reduce then really run through NCCL, with the factor a device tensor.
+* NCCL refuses two ranks on one GPU, so several ranks on one GPU go through Gloo with CUDA tensors.
+* The stream stress trains a 32M-parameter model with fused AdamW on a non-default stream through
+  thousands of syncs and compares every forward and the final weights with a float64 replay. The
+  gradients are constant within each tensor, so every weight stays ``alpha * w0 + beta`` with scalar
+  ``alpha, beta`` per tensor: the replay is exact scalar arithmetic, whatever the model size. A sync
+  that snapshots, scales or reduces params while AdamW kernels are still writing them loses updates
+  (the final weights move off the replay) or shows a non-zero divergence at a world of one; a forward
+  that runs before the outer step has landed reads the wrong sums.
+  ``FLODL_GPU_BREAK=fence`` (flodl_opt's cross-stream fence off) or ``=nccl_wait`` (the reduce does
+  not wait for NCCL's stream) removes a fence on purpose: ``tools/gpu_check.py`` runs the stress so
+  and expects it to fail, which shows the test can fail.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flodl_opt as flo
+from dist_harness import free_port, gather_object, run_ranks
+from flodl_opt.consensus import Consensus
+from flodl_opt.flat import pack
+
+pytestmark = pytest.mark.gpu
+
+BREAK = os.environ.get("FLODL_GPU_BREAK", "")
+STRESS_NUMEL = int(os.environ.get("FLODL_GPU_STRESS_NUMEL", str(4 << 20)))  # per tensor, 8 tensors
+STRESS_STEPS = int(os.environ.get("FLODL_GPU_STRESS_STEPS", "2000"))
+
+
+# ------------------------------------------------------------------ NCCL world of one
+@pytest.fixture
+def nccl_one():
+    """An explicit NCCL process group of one on cuda:0, adopted by flodl_opt.init()."""
+    assert not dist.is_initialized()
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    flo.init()
+    assert flo.backend() == "nccl" and flo.size() == 1
+    try:
+        yield torch.device("cuda", 0)
+    finally:
+        flo.shutdown()
+        dist.destroy_process_group()
+
+
+def _force_collectives(cons: Consensus) -> Consensus:
+    # A group of one normally skips every collective; drive the real NCCL path instead.
+    cons.distributed = True
+    return cons
+
+
+def _mixed_tensors(dev, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    specs = [((257, 33), torch.float32), ((4099,), torch.float32), ((1 << 20,), torch.float32),
+             ((513, 7), torch.bfloat16), ((100_003,), torch.bfloat16), ((3001,), torch.float16),
+             ((77, 5), torch.float64)]
+    return [(torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype).to(dev)
+            for shape, dtype in specs]
+
+
+def _max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float(((out - ref).abs() / ref.abs().clamp_min(1e-30)).max())
+
+
+# Bound on |out - ref| / |ref| per element: the float32 factor and the float32 product each round
+# once (2 * 2^-24, with slack); narrow dtypes add their own rounding of the float32 result.
+REL_TOL = {torch.float64: 1e-15, torch.float32: 2.5e-7, torch.bfloat16: 2.0 ** -8 + 3e-7,
+           torch.float16: 2.0 ** -11 + 3e-7}
+
+
+@pytest.mark.parametrize("factor", [0.3713, 1.0, 2.5e-3, 7.0])
+def test_nccl_premul_sum_matches_float64(nccl_one, factor):
+    tensors = _mixed_tensors(nccl_one, seed=int(factor * 1000))
+    groups = pack(tensors, "param")
+    refs = [t.detach().double() * factor for t in tensors]  # float64 reference, before the reduce
+    cons = _force_collectives(Consensus(groups, [], None, 1, 0, "nccl"))
+    issued = cons.reduce(groups, factor)
+    torch.cuda.synchronize()
+    assert issued == len(groups) == 4  # ONE collective per flat buffer (f32, bf16, f16, f64)
+    for t, ref in zip(tensors, refs):
+        err = _max_rel_err(t, ref)
+        assert err <= REL_TOL[t.dtype], f"{t.dtype} {tuple(t.shape)}: max rel err {err:.3g}"
+        assert bool((t != 0).all()), f"{t.dtype}: zeros in the result (bf16 PREMUL_SUM bug?)"
+    # The factor is a device tensor of the reduce dtype (float32 for bf16/fp16): no host sync.
+    assert {(f.device.type, f.dtype) for f in cons._factors.values()} == \
+        {("cuda", torch.float32), ("cuda", torch.float64)}
+    for g in groups:
+        if not g.wide:
+            assert g.staging().dtype == torch.float32
+
+
+def test_nccl_reduce_makes_no_host_sync(nccl_one):
+    tensors = _mixed_tensors(nccl_one, seed=5)
+    groups = pack(tensors, "param")
+    cons = _force_collectives(Consensus(groups, [], None, 1, 0, "nccl"))
+    cons.reduce(groups, 0.5)  # first call allocates the factors and staging buffers
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cons.reduce(groups, 0.25)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_nccl_zero_factor_gives_exact_zeros_from_nan(nccl_one):
+    """A non-finite rank's factor is 0; 0 * NaN is NaN, so its contribution must be exact zeros."""
+    tensors = _mixed_tensors(nccl_one, seed=9)
+    for t in tensors:
+        t.view(-1)[::7] = float("nan")
+    groups = pack(tensors, "param")
+    cons = _force_collectives(Consensus(groups, [], None, 1, 0, "nccl"))
+    cons.reduce(groups, 0.0)
+    torch.cuda.synchronize()
+    for t in tensors:
+        assert bool((t == 0).all()), f"{t.dtype}: non-zero or NaN left after a zero-factor reduce"
+
+
+class _Net(nn.Module):
+    """float32 layers with BatchNorm buffers, plus a bfloat16 and a float16 parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 16))
+        self.bf = nn.Parameter(torch.randn(4097).to(torch.bfloat16))
+        self.hf = nn.Parameter(torch.randn(1023).to(torch.float16))
+
+    def forward(self, x):
+        return self.body(x).sum(1) * (self.bf.float().mean() + self.hf.float().mean())
+
+
+def test_nccl_world_of_one_optimizer_sync_is_identity(nccl_one):
+    """The whole sync through NCCL at a world of one: count + one PREMUL_SUM per buffer, identity."""
+    torch.manual_seed(0)
+    model = _Net().to(nccl_one)
+    opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, sync_every=3)
+    _force_collectives(opt._consensus)
+    n_buffers = len(opt._param_groups_flat) + len(opt._buffer_groups_flat)
+    assert n_buffers == 4  # f32 params, bf16 params, f16 params, f32 BatchNorm stats
+    syncs = 0
+    for _ in range(12):
+        opt.zero_grad()
+        model(torch.randn(32, 64, device=nccl_one)).pow(2).mean().backward()
+        opt.step()
+        if opt.steps_since_sync == 0:
+            syncs += 1
+            s = opt.last_sync
+            assert s.collectives == 1 + n_buffers and s.weight == 1.0 and s.divergence == 0.0
+            assert s.bytes > 0
+    assert syncs == 4
+    # An explicit sync right after a sync: every tensor bit-identical (PREMUL_SUM by exactly 1.0).
+    opt.zero_grad()
+    model(torch.randn(32, 64, device=nccl_one)).pow(2).mean().backward()
+    opt.step()
+    snap = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+    stats = opt.sync()
+    assert stats.collectives == 1 + n_buffers and stats.divergence == 0.0
+    for a, b in zip(snap, list(model.parameters()) + list(model.buffers())):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ stream-ordering stress
+def _grad_table(steps: int, tensors: int, rank: int = 0):
+    """g[t][k]: constant within tensor k at step t; sign flips every 64 steps (W stays bounded)."""
+    table = []
+    for t in range(steps):
+        row = []
+        for k in range(tensors):
+            sign = 1.0 if ((t + 13 * k + 29 * rank) // 64) % 2 == 0 else -1.0
+            row.append(sign * (0.5 + 0.125 * ((7 * t + 3 * k + rank) % 5)))  # exact in float32
+        table.append(row)
+    return table
+
+
+class _Replay:
+    """Float64 replay of one tensor: W = aw*w0 + bw, anchor A and momentum u alike, AdamW's m, v."""
+
+    def __init__(self):
+        self.aw, self.bw = 1.0, 0.0
+        self.aa, self.ba = 1.0, 0.0
+        self.au, self.bu = 0.0, 0.0
+        self.m = self.v = 0.0
+
+    def adamw(self, t: int, g: float, lr, betas, eps, wd):
+        b1, b2 = betas
+        c = 1.0 - lr * wd
+        self.aw *= c
+        self.bw *= c
+        self.m = b1 * self.m + (1 - b1) * g
+        self.v = b2 * self.v + (1 - b2) * g * g
+        denom = math.sqrt(self.v) / math.sqrt(1 - b2 ** t) + eps
+        self.bw -= (lr / (1 - b1 ** t)) * self.m / denom
+
+    def diloco(self, lr, mu):
+        """World of one: C = W. d = A - C; u = mu*u + d; W = C + (1-lr)*d - lr*mu*u; A = W."""
+        ad, bd = self.aa - self.aw, self.ba - self.bw
+        self.au, self.bu = mu * self.au + ad, mu * self.bu + bd
+        self.aw += (1 - lr) * ad - lr * mu * self.au
+        self.bw += (1 - lr) * bd - lr * mu * self.bu
+        self.aa, self.ba = self.aw, self.bw
+
+
+# Float32 against the float64 replay drifts by ~4e-5 (relative, over 2000 steps) on the final
+# weights and ~1e-5 on the forward sums; one lost AdamW update moves a weight by ~lr = 1e-2, and a
+# forward that runs before the outer step misses a shift of ~1e-2 in every weight. The bounds below
+# sit between the two.
+ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+OUTER_LR, OUTER_MU = 0.7, 0.5
+
+
+def _break_nccl_wait(monkeypatch):
+    """Negative control: the reduce returns without making the current stream wait for NCCL."""
+    import flodl_opt.consensus as consensus_mod
+    real, pending = consensus_mod.dist, []
+
+    class _NoWait:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            pending.append(real.all_reduce(tensor, op=op, group=group, async_op=True))
+
+    monkeypatch.setattr(consensus_mod, "dist", _NoWait())
+    return pending
+
+
+@pytest.mark.parametrize("mode,outer,sync_every", [
+    ("in_step", "diloco", 1),      # sync inside step(), on the training stream: NCCL's fences
+    ("in_step", "avg", 1),         # fewest host syncs after the reduce: the tightest window
+    ("cross_stream", "diloco", 2),  # steps on stream s, opt.sync() from the default stream
+])
+def test_stream_stress_matches_float64_replay(nccl_one, monkeypatch, mode, outer, sync_every):
+    dev, n_tensors, steps = nccl_one, 8, STRESS_STEPS
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    params = [nn.Parameter(torch.randn(STRESS_NUMEL, generator=gen, device=dev)) for _ in range(n_tensors)]
+    w0 = [p.detach().clone() for p in params]
+    s0 = [float(w.double().sum()) for w in w0]
+    abs0 = [float(w.double().abs().sum()) for w in w0]
+    model = nn.Module()
+    model.w = nn.ParameterList(params)
+    inner = torch.optim.AdamW(params, fused=True, **ADAM)
+    slim = outer == "avg"  # no pre-sync copy, no non-finite probe: no host sync before the reduce
+    opt = flo.LocalSGDOptimizer(
+        inner, model=model, outer=flo.DiLoCo(lr=OUTER_LR, momentum=OUTER_MU) if outer == "diloco" else None,
+        sync_every=sync_every if mode == "in_step" else 10 ** 9,
+        keep_presync=not slim, nonfinite_guard=not slim)
+    _force_collectives(opt._consensus)
+    if BREAK == "fence":
+        opt._stream_fence = False
+    elif BREAK == "nccl_wait":
+        _break_nccl_wait(monkeypatch)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    table = _grad_table(steps, n_tensors)
+    grads = torch.tensor(table, dtype=torch.float32, device=dev)
+    fwd = torch.full((steps, n_tensors), float("nan"), dtype=torch.float64, device=dev)
+    divergences = []
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    for t in range(steps):
+        with torch.cuda.stream(s):
+            for k, p in enumerate(params):
+                p.grad.copy_(grads[t, k].expand_as(p))  # device-side: no host sync
+            fwd[t].copy_(torch.stack([p.detach().sum(dtype=torch.float64) for p in params]))  # the forward
+            opt.step()
+            if mode == "in_step" and opt.steps_since_sync == 0:
+                divergences.append(opt.last_sync.divergence)
+        if mode == "cross_stream" and (t + 1) % sync_every == 0:
+            divergences.append(opt.sync().divergence)  # on the default stream
+    torch.cuda.synchronize(dev)
+
+    replay = [_Replay() for _ in range(n_tensors)]
+    expect_fwd, expect_abs = [], []
+    for t in range(steps):
+        expect_fwd.append([r.aw * s0[k] + r.bw * STRESS_NUMEL for k, r in enumerate(replay)])
+        expect_abs.append([abs(r.aw) * abs0[k] + (abs(r.bw) + 1.0) * STRESS_NUMEL for k, r in enumerate(replay)])
+        for k, r in enumerate(replay):
+            r.adamw(t + 1, table[t][k], ADAM["lr"], ADAM["betas"], ADAM["eps"], ADAM["weight_decay"])
+            if (t + 1) % sync_every == 0 and outer == "diloco":
+                r.diloco(OUTER_LR, OUTER_MU)
+    assert len(divergences) == steps // sync_every
+    if not slim:  # world of one: the pre-sync weights ARE the consensus, bit for bit
+        bad = [(i, d) for i, d in enumerate(divergences) if d != 0.0]
+        assert not bad, f"{len(bad)} syncs saw a non-zero divergence (snapshot raced the optimizer): {bad[:5]}"
+    # Every forward read the weights the replay says (sums over 4M weights: float32 rounding only).
+    exp = torch.tensor(expect_fwd, dtype=torch.float64, device=dev)
+    size = torch.tensor(expect_abs, dtype=torch.float64, device=dev)  # ~ sum |W| + n
+    fwd_err = ((fwd - exp).abs() / size).amax(1)
+    bad_steps = (fwd_err.isnan() | (fwd_err > 2e-4)).nonzero().flatten().tolist()
+    assert not bad_steps, (f"{len(bad_steps)} forwards read wrong weights, first at steps "
+                           f"{bad_steps[:8]} (rel err {float(fwd_err.max()):.3g})")
+    # Final weights, element by element.
+    worst = 0.0
+    for k, (p, r) in enumerate(zip(params, replay)):
+        ref = w0[k].double() * r.aw + r.bw
+        err = float(((p.detach().double() - ref).abs() / (1.0 + ref.abs())).max())
+        worst = max(worst, err)
+    print(f"stress {mode}/{outer}: {steps} steps, {len(divergences)} syncs, "
+          f"{n_tensors * STRESS_NUMEL / 1e6:.0f}M params, max rel err vs float64 replay {worst:.3g}, "
+          f"forward max rel err {float(fwd_err.max()):.3g}")
+    assert worst < 5e-4, f"final weights off the float64 replay by {worst:.3g} (lost updates?)"
+
+
+# ------------------------------------------------------------------ several ranks on one GPU (Gloo)
+class _RankNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Linear(64, 8))
+        self.bf = nn.Parameter(torch.randn(3000).to(torch.bfloat16))
+        self.hf = nn.Parameter(torch.randn(1500).to(torch.float16))
+        self.big = nn.Parameter(torch.randn(3 << 20))  # > 8 MiB: the Gloo path reduces in chunks
+
+
+def rank_gloo_cuda_weighted(rank, world, steps, gamma):
+    dev = torch.device("cuda", 0)
+    model = _RankNet().to(dev)
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model,
+                                sync_every=10 ** 6, gamma=gamma)
+    assert flo.backend() == "gloo" and model.big.is_cuda
+    g = torch.Generator().manual_seed(100 + rank)
+    with torch.no_grad():  # rank-specific weights and BatchNorm stats, written in place
+        for t in list(model.parameters()) + [model.body[1].running_mean, model.body[1].running_var]:
+            t.copy_((torch.rand(t.shape, generator=g, dtype=torch.float64) + 0.5 + rank).to(t.dtype))
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):  # count the steps on a side stream; SGD with lr 0 leaves the weights
+        for _ in range(steps[rank]):
+            opt.step()
+    pre = gather_object([t.detach().cpu().double() for t in model.parameters()] +
+                        [model.body[1].running_mean.cpu().double(), model.body[1].running_var.cpu().double()])
+    stats = opt.sync()
+    post = [t.detach().cpu() for t in model.parameters()] + \
+        [model.body[1].running_mean.cpu(), model.body[1].running_var.cpu()]
+    mass = [0.0 if n == 0 else float(n) ** gamma for n in steps]
+    mover = [1.0 if n > 0 else 0.0 for n in steps]
+    n_params = len(list(model.parameters()))
+    worst = {}
+    for i, out in enumerate(post):
+        w = mass if i < n_params else mover
+        ref = sum(w[r] * pre[r][i] for r in range(world)) / sum(w)
+        err = float(((out.double() - ref).abs() / ref.abs()).max())
+        tol = {torch.float32: 1e-6, torch.bfloat16: 2.0 ** -8 + 1e-6, torch.float16: 2.0 ** -11 + 1e-6}[out.dtype]
+        assert err <= tol, f"tensor {i} ({out.dtype}): max rel err {err:.3g} > {tol:.3g}"
+        worst[str(out.dtype)] = max(worst.get(str(out.dtype), 0.0), err)
+    everyone = gather_object(post)
+    for r in range(world):
+        for a, b in zip(everyone[0], everyone[r]):
+            assert torch.equal(a, b), f"rank {r} differs from rank 0 after the sync"
+    return {"weight": stats.weight, "collectives": stats.collectives, "worst": worst}
+
+
+@pytest.mark.parametrize("world,steps,gamma", [(2, (1, 3), 1.0), (3, (2, 5, 0), 0.5)])
+def test_gloo_cuda_ranks_on_one_gpu_match_float64(world, steps, gamma):
+    out = run_ranks(rank_gloo_cuda_weighted, world, steps, gamma, timeout=180, collective_timeout=60)
+    mass = [0.0 if n == 0 else float(n) ** gamma for n in steps]
+    assert [o["weight"] for o in out] == pytest.approx([m / sum(mass) for m in mass], rel=1e-12)
+    assert all(o["collectives"] >= 1 + 4 for o in out)  # the count, then each of the 4 buffers
+
+
+def rank_gloo_cuda_stress(rank, world, steps, sync_every, numel):
+    """Each rank trains on its own side stream with fused AdamW; syncs inside step(); float64 replay."""
+    dev = torch.device("cuda", 0)
+    n_tensors = 4
+    gen = torch.Generator(device=dev).manual_seed(77)  # same w0 on every rank
+    params = [nn.Parameter(torch.randn(numel, generator=gen, device=dev)) for _ in range(n_tensors)]
+    w0 = [p.detach().clone() for p in params]
+    model = nn.Module()
+    model.w = nn.ParameterList(params)
+    opt = flo.LocalSGDOptimizer(torch.optim.AdamW(params, fused=True, **ADAM), model=model,
+                                sync_every=sync_every)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    tables = [_grad_table(steps, n_tensors, rank=r) for r in range(world)]
+    grads = torch.tensor(tables[rank], dtype=torch.float32, device=dev)
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    syncs = 0
+    with torch.cuda.stream(s):
+        for t in range(steps):
+            for k, p in enumerate(params):
+                p.grad.copy_(grads[t, k].expand_as(p))
+            opt.step()
+            syncs += opt.steps_since_sync == 0
+    torch.cuda.synchronize(dev)
+    # Replay every rank; at a sync each rank adopts the equal-weight mean (equal step counts).
+    replay = [[_Replay() for _ in range(n_tensors)] for _ in range(world)]
+    for t in range(steps):
+        for r in range(world):
+            for k in range(n_tensors):
+                replay[r][k].adamw(t + 1, tables[r][t][k], ADAM["lr"], ADAM["betas"], ADAM["eps"],
+                                   ADAM["weight_decay"])
+        if (t + 1) % sync_every == 0:
+            for k in range(n_tensors):
+                aw = sum(replay[r][k].aw for r in range(world)) / world
+                bw = sum(replay[r][k].bw for r in range(world)) / world
+                for r in range(world):
+                    replay[r][k].aw, replay[r][k].bw = aw, bw
+    worst = 0.0
+    for k, p in enumerate(params):
+        ref = w0[k].double() * replay[rank][k].aw + replay[rank][k].bw
+        worst = max(worst, float(((p.detach().double() - ref).abs() / (1.0 + ref.abs())).max()))
+    final = gather_object([p.detach().cpu() for p in params])
+    same = all(torch.equal(a, b) for r in range(world) for a, b in zip(final[0], final[r]))
+    return {"syncs": syncs, "worst": worst, "same": same}
+
+
+def test_gloo_cuda_two_ranks_stream_stress():
+    steps, sync_every = 300, 3
+    out = run_ranks(rank_gloo_cuda_stress, 2, steps, sync_every, 1 << 20, timeout=240, collective_timeout=60)
+    for o in out:
+        assert o["syncs"] == steps // sync_every
+        assert o["same"], "ranks differ after the last sync"
+        assert o["worst"] < 5e-4, f"weights off the float64 replay by {o['worst']:.3g}"

@@ -108,8 +108,11 @@ def _rendezvous_env(info: LaunchInfo) -> None:
             os.environ["MASTER_ADDR"] = addr
     if "MASTER_PORT" not in os.environ:
         # Every rank of one job must agree on the port without talking: derive it from the job id.
-        job = (os.environ.get("OMPI_MCA_ess_base_jobid") or os.environ.get("SLURM_JOB_ID")
-               or os.environ.get("PMI_ID") or os.environ.get("HYDRA_JOBID") or "flodl")
+        # (Open MPI 4, then PMIx launchers such as Open MPI 5; MPICH's PMI_ID is per rank, so
+        # MPICH falls back to a fixed key: same port on every rank, one such job per node.)
+        slurm = os.environ.get("SLURM_JOB_ID")
+        job = (os.environ.get("OMPI_MCA_ess_base_jobid") or os.environ.get("PMIX_NAMESPACE")
+               or (f"{slurm}.{os.environ.get('SLURM_STEP_ID', '')}" if slurm else None) or "flodl")
         digest = int(hashlib.sha1(job.encode()).hexdigest()[:8], 16)
         os.environ["MASTER_PORT"] = str(20000 + digest % 20000)
 

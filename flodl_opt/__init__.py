@@ -9,7 +9,8 @@ an outer optimizer step (DiLoCo, SlowMo, EASGD).
     opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, sync_every=16)
 """
 from .consensus import SyncStats
-from .errors import ConfigError, SyncError
+from .checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
+from .errors import ConfigError, NonFiniteError, NonFiniteWarning, SyncError
 from .horovod import (Adasum, Average, Compression, DistributedOptimizer, Max, Min, Product, Sum, allreduce,
                       allreduce_, broadcast, broadcast_, broadcast_object, broadcast_optimizer_state,
                       broadcast_parameters)
@@ -24,6 +25,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "device",
     "backend", "launch_info", "LocalSGDOptimizer", "SyncStats", "OuterOptimizer", "OuterAvg",
     "DiLoCo", "SlowMo", "EASGD", "TorchOuter", "SyncError", "ConfigError",
+    "NonFiniteError", "NonFiniteWarning", "save_checkpoint", "load_checkpoint", "wait_checkpoint",
     "DistributedOptimizer", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "allreduce",
     "allreduce_", "broadcast", "broadcast_", "broadcast_object", "broadcast_parameters",
     "broadcast_optimizer_state",

@@ -158,7 +158,12 @@ def init(backend: Optional[str] = None, timeout: Optional[datetime.timedelta] = 
     if _world is not None:
         return
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"flodl_opt.init: timeout must be a datetime.timedelta or seconds (a number), "
+                            f"got {type(timeout).__name__} {timeout!r}; e.g. init(timeout=300)")
         timeout = datetime.timedelta(seconds=float(timeout))
+    if timeout is not None and timeout.total_seconds() <= 0:
+        raise ValueError(f"flodl_opt.init: timeout must be positive, got {timeout}; e.g. init(timeout=300)")
     if dist.is_available() and dist.is_initialized():
         rank, size = dist.get_rank(), dist.get_world_size()
         found = discover()

@@ -11,9 +11,9 @@ an outer optimizer step (DiLoCo, SlowMo, EASGD).
 from .consensus import SyncStats
 from .checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
 from .errors import ConfigError, NonFiniteError, NonFiniteWarning, SyncError
-from .horovod import (Adasum, Average, Compression, DistributedOptimizer, Max, Min, Product, Sum, allreduce,
-                      allreduce_, broadcast, broadcast_, broadcast_object, broadcast_optimizer_state,
-                      broadcast_parameters)
+from .horovod import (Adasum, Average, Compression, DistributedOptimizer, Max, Min, Product, Sum,
+                      allgather, allgather_object, allreduce, allreduce_, broadcast, broadcast_,
+                      broadcast_object, broadcast_optimizer_state, broadcast_parameters)
 from .launch import (backend, device, init, is_initialized, launch_info, local_rank, local_size, rank,
                      shutdown, size)
 from .optimizer import LocalSGDOptimizer
@@ -27,6 +27,6 @@ __all__ = [
     "DiLoCo", "SlowMo", "EASGD", "TorchOuter", "SyncError", "ConfigError",
     "NonFiniteError", "NonFiniteWarning", "save_checkpoint", "load_checkpoint", "wait_checkpoint",
     "DistributedOptimizer", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "allreduce",
-    "allreduce_", "broadcast", "broadcast_", "broadcast_object", "broadcast_parameters",
-    "broadcast_optimizer_state",
+    "allreduce_", "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object",
+    "broadcast_parameters", "broadcast_optimizer_state",
 ]

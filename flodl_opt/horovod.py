@@ -37,7 +37,8 @@ from .flat import unique
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
-    "DistributedOptimizer", "allreduce", "allreduce_", "broadcast", "broadcast_",
+    "DistributedOptimizer", "allreduce", "allreduce_", "allgather", "allgather_object", "broadcast",
+    "broadcast_",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
 ]
 
@@ -198,6 +199,42 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     """
     return allreduce_(tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor,
                       process_group)
+
+
+def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_group=None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dim 0, in rank order (first dims may differ).
+
+    Example::
+
+        all_preds = flo.allgather(preds)          # (sum of ranks' rows, ...)
+    """
+    n = _group_size(process_group)
+    if n == 1:
+        return tensor.detach().clone()
+    dev = _comm_device()
+    t = _wire_view(tensor.detach()).to(dev)
+    if t.dim() == 0:
+        t = t.reshape(1)
+    rows = torch.tensor([t.shape[0]], dtype=torch.int64, device=dev)
+    all_rows = [torch.empty_like(rows) for _ in range(n)]
+    dist.all_gather(all_rows, rows, group=process_group)
+    counts = [int(r.item()) for r in all_rows]
+    padded = torch.zeros((max(counts),) + tuple(t.shape[1:]), dtype=t.dtype, device=dev)
+    padded[:t.shape[0]].copy_(t)
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded, group=process_group)
+    out = torch.cat([p[:c] for p, c in zip(parts, counts)]).to(tensor.device)
+    return out.view(torch.bool) if tensor.dtype == torch.bool else out
+
+
+def allgather_object(obj: Any, name: Optional[str] = None, process_group=None) -> List[Any]:
+    """Every rank's ``obj`` (picklable), as a list in rank order."""
+    n = _group_size(process_group)
+    if n == 1:
+        return [obj]
+    out: List[Any] = [None] * n
+    dist.all_gather_object(out, obj, group=process_group)
+    return out
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = None,
@@ -540,6 +577,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._joined = False
         self._passes = [0] * len(self._params)
         self._pending: Optional[Tuple[torch.Tensor, Any]] = None
+        self._count_host: Optional[torch.Tensor] = None
+        self._count_event: Any = None
         self._hooks: list = []
         self._buffers: List[_GradBuffer] = []
         if self._size > 1:
@@ -723,11 +762,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if pending is not None:
                 pending[1].synchronize()
                 self._raise_if_negative(float(pending[0]), False)
-            host = torch.empty((), dtype=count.dtype, pin_memory=True)
-            host.copy_(count, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (host, event)
+            if self._count_host is None:
+                self._count_host = torch.empty((), dtype=count.dtype, pin_memory=True)
+                self._count_event = torch.cuda.Event()
+            self._count_host.copy_(count, non_blocking=True)  # read back at the next step
+            self._count_event.record()
+            self._pending = (self._count_host, self._count_event)
             return
         self._raise_if_negative(float(count), too_many)
 

@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="localsgd: LocalSGDOptimizer; allreduce: gradients averaged every step "
                         "(flodl_opt.DistributedOptimizer)")
     p.add_argument("--sync-every", type=int, default=16, help="K: local steps between syncs")
+    p.add_argument("--warmup-syncs", type=int, default=0,
+                   help="sync after every step for the first N steps (post-local SGD), then every K")
     p.add_argument("--outer", choices=("avg", "diloco", "slowmo", "easgd"), default="avg")
     p.add_argument("--outer-lr", type=float, default=None, help="DiLoCo/SlowMo outer lr (default: theirs)")
     p.add_argument("--outer-momentum", type=float, default=None, help="DiLoCo/SlowMo outer momentum")
@@ -177,7 +179,7 @@ def build_optimizer(args, model: nn.Module):
         outer = cls(**kw)
     # The one-line wrap: any torch optimizer becomes local SGD with a consensus every K steps.
     opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=args.sync_every, outer=outer,
-                                max_grad_norm=1.0, lr_scheduler=sched)
+                                warmup_steps=args.warmup_syncs, max_grad_norm=1.0, lr_scheduler=sched)
     return opt, None
 
 
@@ -266,7 +268,7 @@ def train(args) -> dict:
             count_sync()
         train_sum += loss.item()
         train_n += 1
-        if step == args.steps and args.mode == "localsgd" and step % args.sync_every:
+        if step == args.steps and args.mode == "localsgd" and opt.steps_since_sync > 0:
             opt.sync()  # end on the consensus
             count_sync()
         if step % args.print_every == 0 or step % args.eval_every == 0 or step == args.steps:

@@ -3,8 +3,9 @@
 Runs ``examples/train_charlm.py`` (2 local CPU ranks over Gloo by default) for the same number of
 steps, batch, seed and data with:
 
-* ``sync``: the synchronous baseline. Gradients averaged every step (``--mode allreduce``) when
-  ``flodl_opt.DistributedOptimizer`` exists, else model averaging every step (K=1);
+* ``allreduce``: the synchronous baseline, gradients averaged every step (``--mode allreduce``,
+  ``flodl_opt.DistributedOptimizer``); the reference the others are compared with;
+* ``sync-k1``: model averaging every step (K=1), the other synchronous baseline;
 * ``localsgd-k16``: local SGD, plain averaging every 16 steps;
 * ``diloco-h64``: DiLoCo (outer Nesterov SGD, lr 0.7, momentum 0.9) every 64 steps;
 * optionally ``slowmo-k16`` (``--slowmo``) and extra DiLoCo outer settings (``--diloco lr:momentum``).
@@ -47,14 +48,13 @@ def has_allreduce() -> bool:
 
 def plan(args) -> List[Dict]:
     """The runs: name, label, arguments for train_charlm, and its sync period."""
-    if has_allreduce() and not args.model_avg_baseline:
-        base = {"name": "sync", "label": "synchronous (gradient allreduce)", "k": 1,
-                "argv": ["--mode", "allreduce"]}
-    else:
-        base = {"name": "sync", "label": "synchronous (model averaging, K=1)", "k": 1,
-                "argv": ["--sync-every", "1", "--outer", "avg"]}
-    runs = [base,
-            {"name": "localsgd-k16", "label": "local SGD, K=16", "k": 16,
+    runs = []
+    if has_allreduce() and not args.no_allreduce:
+        runs.append({"name": "allreduce", "label": "sync: gradient allreduce every step", "k": 1,
+                     "argv": ["--mode", "allreduce"]})
+    runs += [{"name": "sync-k1", "label": "sync: model averaging every step (K=1)", "k": 1,
+              "argv": ["--sync-every", "1", "--outer", "avg"]},
+             {"name": "localsgd-k16", "label": "local SGD, K=16", "k": 16,
              "argv": ["--sync-every", "16", "--outer", "avg"]},
             {"name": "diloco-h64", "label": "DiLoCo, H=64 (lr 0.7, mom 0.9)", "k": 64,
              "argv": ["--sync-every", "64", "--outer", "diloco"]}]
@@ -66,6 +66,11 @@ def plan(args) -> List[Dict]:
         runs.append({"name": f"diloco-h64-lr{lr}-m{mom}", "label": f"DiLoCo, H=64 (lr {lr}, mom {mom})",
                      "k": 64, "argv": ["--sync-every", "64", "--outer", "diloco",
                                        "--outer-lr", lr, "--outer-momentum", mom]})
+    for spec in args.run:
+        name, _, rest = spec.partition("=")
+        argv = rest.split()
+        k = int(argv[argv.index("--sync-every") + 1]) if "--sync-every" in argv else 16
+        runs.append({"name": name, "label": f"{name} ({rest})", "k": k, "argv": argv})
     return runs
 
 
@@ -107,19 +112,23 @@ def table(runs: List[Dict], results: List[Dict]) -> (str, List[Dict]):
         rows.append({
             "run": run["name"], "label": run["label"], "sync_every": run["k"],
             "final_val_loss": f["val_loss"],
-            "vs_sync_pct": 100.0 * (f["val_loss"] - base["val_loss"]) / base["val_loss"],
+            "vs_first_pct": 100.0 * (f["val_loss"] - base["val_loss"]) / base["val_loss"],
             "syncs": f["syncs"], "collectives": f["collectives"], "bytes": f["bytes"],
             "fewer_syncs_x": (base["syncs"] / f["syncs"]) if f["syncs"] else None,
             "fewer_bytes_x": (base["bytes"] / f["bytes"]) if f["bytes"] else None,
             "wall_s": f["wall_s"],
         })
-    head = ("| run | final val loss | vs sync | param syncs | collectives | MB sent per rank "
-            "| fewer bytes | wall s |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    head = (f"| run | final val loss | vs {runs[0]['name']} | syncs | fewer syncs | collectives "
+            "| MB sent per rank | fewer bytes | wall s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
+
+    def x(v):
+        return f"{v:.1f}x" if v else "-"
+
     for r in rows:
-        fewer = f"{r['fewer_bytes_x']:.1f}x" if r["fewer_bytes_x"] else "-"
-        lines.append(f"| {r['label']} | {r['final_val_loss']:.4f} | {r['vs_sync_pct']:+.2f}% | {r['syncs']} "
-                     f"| {r['collectives']} | {r['bytes'] / 1e6:.1f} | {fewer} | {r['wall_s']:.0f} |")
+        lines.append(f"| {r['label']} | {r['final_val_loss']:.4f} | {r['vs_first_pct']:+.2f}% | {r['syncs']} "
+                     f"| {x(r['fewer_syncs_x'])} | {r['collectives']} | {r['bytes'] / 1e6:.1f} "
+                     f"| {x(r['fewer_bytes_x'])} | {r['wall_s']:.0f} |")
     return "\n".join(lines), rows
 
 
@@ -174,8 +183,11 @@ def main(argv=None) -> None:
     p.add_argument("--slowmo", action="store_true", help="also run SlowMo K=16")
     p.add_argument("--diloco", action="append", default=[], metavar="LR:MOMENTUM",
                    help="also run DiLoCo H=64 with this outer lr and momentum (repeatable)")
-    p.add_argument("--model-avg-baseline", action="store_true",
-                   help="baseline = model averaging every step even when gradient allreduce exists")
+    p.add_argument("--run", action="append", default=[], metavar="NAME=ARGS",
+                   help="also run train_charlm with these arguments, e.g. "
+                        "'diloco-w128=--sync-every 64 --outer diloco --warmup-syncs 128' (repeatable)")
+    p.add_argument("--no-allreduce", action="store_true",
+                   help="skip the gradient-allreduce run: model averaging every step is the baseline")
     p.add_argument("--resume", action="store_true", help="reuse the logs of runs already in --out")
     p.add_argument("--replot", action="store_true", help="only rebuild the table and PNG from --out")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per run")

@@ -1,0 +1,292 @@
+"""Faults: a peer dying inside a sync, NaN/Inf ranks, a stalled peer, a checkpoint write killed midway.
+
+Every multi-rank case runs on real Gloo ranks (tests/dist_harness.py) with a timeout, so none can
+hang. Rank functions return numpy arrays, not tensors (tensors on a multiprocessing queue travel
+as shared-memory handles that die with the rank).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flodl_opt as flo
+from flodl_opt import checkpoint as ckpt_mod
+from dist_harness import ROOT, RankFailure, gather_object, run_ranks
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).double() for t in
+                      list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]])
+
+
+def _local_steps(model, opt, rank, n):
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(n):
+        x = torch.randn(8, model[0].in_features, generator=g)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+# ------------------------------------------------------------------ a peer dies inside a sync
+def _peer_dies_mid_sync(rank, world, out):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
+    chunk = 1024  # elements: Gloo reduces the params in 5 chunks
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                sync_every=1000, gloo_chunk_bytes=chunk * 4, stall_warning_s=None)
+    _local_steps(model, opt, rank, 3)
+    pre = _flat(model).clone()
+    cons = opt._consensus
+    if rank == 1:  # take part in the count and the first chunk of the reduce, then die
+        real_all_reduce, works = dist.all_reduce, []
+
+        def dying_all_reduce(tensor, *args, **kwargs):
+            if len(works) == 2:
+                for w in works:
+                    if w is not None:
+                        w.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+            work = real_all_reduce(tensor, *args, **kwargs)
+            works.append(work)
+            return work
+        dist.all_reduce = dying_all_reduce
+    seen = {}
+    real_restore = cons.restore
+
+    def spying_restore():
+        seen["half_averaged"] = not torch.equal(_flat(model), pre)  # what restore had to undo
+        return real_restore()
+    cons.restore = spying_restore
+    try:
+        opt.sync()
+    except flo.SyncError as exc:
+        result = {"msg": str(exc), "rank": exc.rank, "sync": exc.sync, "restored": exc.restored,
+                  "cause": type(exc.cause).__name__, "equal": torch.equal(_flat(model), pre),
+                  "counters": (opt.sync_count, opt.steps_since_sync), **seen}
+    else:
+        result = {"msg": "no error"}
+    torch.save(result, out)
+    return result
+
+
+def test_peer_killed_during_sync_survivor_raises_with_pre_sync_params(tmp_path):
+    out = str(tmp_path / "rank0.pt")
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_peer_dies_mid_sync, 2, out, timeout=90, collective_timeout=15)
+    text = str(info.value)
+    # Only the killed rank failed; the survivor reported (its verdict is in the file).
+    assert "rank 1 exited with code -9" in text and "---- rank 0" not in text, text
+    r = torch.load(out, weights_only=False)
+    assert r["msg"].startswith("flodl_opt: sync #1 failed on rank 0"), r["msg"]
+    assert (r["rank"], r["sync"], r["restored"]) == (0, 1, True)
+    assert r["half_averaged"], "the first chunk should have been averaged before the peer died"
+    assert r["equal"], "params/buffers differ from the pre-sync values after SyncError"
+    assert r["counters"] == (0, 3), "a failed sync must not advance the counters"
+    assert "resume from the last checkpoint" in r["msg"]
+
+
+# ------------------------------------------------------------------ non-finite guard
+def _nonfinite_one_rank(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4))
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=1000, stall_warning_s=None)
+    steps = [2, 3, 1][rank]
+    _local_steps(model, opt, rank, steps)
+    if rank == 2:  # this rank blew up: NaN weights and NaN momentum
+        with torch.no_grad():
+            model[0].weight[1, 2] = float("nan")
+        inner.state[model[0].weight]["momentum_buffer"].fill_(float("inf"))
+    everyone = gather_object((steps, _flat(model).numpy()))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        stats = opt.sync()
+    post = _flat(model).numpy()
+    _local_steps(model, opt, rank, 1)   # the excluded rank trains on from the consensus
+    return {"everyone": everyone, "post": post, "nonfinite": stats.nonfinite,
+            "nonfinite_ranks": stats.nonfinite_ranks, "weight": stats.weight,
+            "warnings": [str(w.message) for w in rec if issubclass(w.category, flo.NonFiniteWarning)],
+            "finite_after": bool(torch.isfinite(_flat(model)).all())}
+
+
+def test_nonfinite_rank_gets_no_vote_is_warned_and_adopts_consensus():
+    res = run_ranks(_nonfinite_one_rank, 3, timeout=90)
+    # float64 reference: the work-weighted average of the two finite ranks only.
+    (s0, w0), (s1, w1), _ = res[0]["everyone"]
+    expected = (s0 * w0.astype(np.float64) + s1 * w1.astype(np.float64)) / (s0 + s1)
+    for r in res:
+        assert np.array_equal(r["post"], res[0]["post"]), "ranks disagree after the sync"
+        np.testing.assert_allclose(r["post"], expected, rtol=0, atol=1e-6)
+        assert r["nonfinite_ranks"] == 1 and r["finite_after"]
+    assert res[2]["nonfinite"] and res[2]["weight"] == 0.0
+    assert not res[0]["nonfinite"] and res[0]["weight"] == pytest.approx(s0 / (s0 + s1))
+    warned = res[2]["warnings"]
+    assert any("rank 2" in w and "no vote" in w and "sync #1" in w for w in warned), warned
+    assert any("reset the inner optimizer state" in w for w in warned), warned
+    assert res[0]["warnings"] == [] and res[1]["warnings"] == []
+
+
+def _all_nonfinite(rank, world):
+    model = nn.Sequential(nn.Linear(3, 2))
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                sync_every=1000, stall_warning_s=None)
+    _local_steps(model, opt, rank, 1)
+    with torch.no_grad():
+        model[0].bias.fill_(float("inf") if rank else float("nan"))
+    try:
+        opt.sync()
+    except flo.NonFiniteError as exc:
+        return {"type": type(exc).__name__, "fpe": isinstance(exc, FloatingPointError), "msg": str(exc),
+                "counters": (opt.sync_count, opt.steps_since_sync)}
+    return {"type": None}
+
+
+def test_every_rank_nonfinite_raises_on_every_rank():
+    res = run_ranks(_all_nonfinite, 2, timeout=90)
+    for r in res:
+        assert r["type"] == "NonFiniteError" and r["fpe"], r
+        assert "refusing to average garbage" in r["msg"] and "max_grad_norm" in r["msg"]
+        assert r["counters"] == (0, 1)
+
+
+# ------------------------------------------------------------------ stall warning
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _stalled_peer(rank, world, late_s):
+    handler = _Records()
+    logging.getLogger("flodl_opt").addHandler(handler)
+    model = nn.Sequential(nn.Linear(4, 2))
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                sync_every=1000, stall_warning_s=0.3)
+    _local_steps(model, opt, rank, 1)
+    opt.sync()                      # sync #1: everyone on time
+    _local_steps(model, opt, rank, 1)
+    if rank == world - 1:
+        time.sleep(late_s)          # the straggler
+    opt.sync()                      # sync #2
+    return handler.messages
+
+
+def test_stall_warning_names_the_sync_and_the_missing_rank():
+    res = run_ranks(_stalled_peer, 3, 3.0, timeout=90)
+    for rank in (0, 1):
+        hits = [m for m in res[rank] if "at sync #2" in m]
+        assert hits, res[rank]
+        assert f"rank {rank} has waited" in hits[0] and "ranks [2] have not arrived" in hits[0], hits
+
+
+# ------------------------------------------------------------------ checkpoint writes that die
+def _digest(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _tiny(sync_every=2):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3))
+    opt = flo.LocalSGDOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model=model,
+                                sync_every=sync_every)
+    return model, opt
+
+
+def test_checkpoint_writer_failing_midway_keeps_previous(tmp_path, monkeypatch):
+    path = tmp_path / "ck" / "last.pt"
+    model, opt = _tiny()
+    _local_steps(model, opt, 0, 2)
+    flo.save_checkpoint(path, model, opt, extra={"step": 2})
+    good, good_params = _digest(path), _flat(model).clone()
+    _local_steps(model, opt, 0, 2)
+
+    real = ckpt_mod._serialize
+
+    def dies_midway(obj, f):
+        real(obj, f)
+        f.truncate(f.tell() // 2)   # half the bytes made it to disk, then the disk filled up
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ckpt_mod, "_serialize", dies_midway)
+    with pytest.raises(RuntimeError, match="No space left on device.*previous checkpoint is intact"):
+        flo.save_checkpoint(path, model, opt, extra={"step": 4})
+    monkeypatch.setattr(ckpt_mod, "_serialize", real)
+
+    assert _digest(path) == good
+    assert os.listdir(path.parent) == ["last.pt"], "a temp file was left behind"
+    model2, opt2 = _tiny()
+    assert flo.load_checkpoint(path, model2, opt2) == {"step": 2}
+    assert torch.equal(_flat(model2), good_params) and opt2.local_steps == 2
+
+
+_KILLED_WRITER = textwrap.dedent("""
+    import os, sys, time, torch
+    sys.path.insert(0, {root!r})
+    import flodl_opt as flo
+    from flodl_opt import checkpoint as ck
+    path, marker = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512))
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, sync_every=1)
+    flo.save_checkpoint(path, model, opt, extra={{"step": 0}})
+    torch.save({{k: v.clone() for k, v in model.state_dict().items()}}, path + ".ref")
+    model(torch.randn(4, 512)).sum().backward(); opt.step()        # new weights, a new sync
+
+    class Slow:  # the real file, but the writer stalls half way so the parent can kill it
+        def __init__(self, f): self.f, self.n = f, 0
+        def write(self, b):
+            self.n += len(b)
+            out = self.f.write(b)
+            if self.n > 300_000 and not os.path.exists(marker):
+                self.f.flush(); open(marker, "w").close(); time.sleep(120)
+            return out
+        def flush(self): self.f.flush()
+    real = ck._serialize
+    ck._serialize = lambda obj, f: real(obj, Slow(f))
+    flo.save_checkpoint(path, model, opt, extra={{"step": 1}})
+""")
+
+
+def test_checkpoint_write_sigkilled_midway_leaves_previous_loadable(tmp_path):
+    path, marker = str(tmp_path / "last.pt"), str(tmp_path / "halfway")
+    script = tmp_path / "writer.py"
+    script.write_text(_KILLED_WRITER.format(root=ROOT))
+    child = subprocess.Popen([sys.executable, str(script), path, marker],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(marker):
+            assert child.poll() is None, child.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the writer never reached the middle of its write"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+    torn = [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    assert torn, "expected the killed write's temp file"   # the write really was cut midway
+    model = nn.Sequential(nn.Linear(512, 512))
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, sync_every=1)
+    assert flo.load_checkpoint(path, model, opt) == {"step": 0}
+    ref = torch.load(path + ".ref")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref[k]), k

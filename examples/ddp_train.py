@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,6 @@ from torch.utils.data.distributed import DistributedSampler
 try:
     import flodl_opt as flo
 except ImportError:  # run from a source checkout without installing
-    import sys
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import flodl_opt as flo
 
@@ -94,8 +94,10 @@ def main() -> None:
         x, y = data.tensors
         eval_loss = loss_fn(model(x.to(device)), y.to(device)).item()
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
-    print(f"rank {rank} of {world}: eval_loss={eval_loss:.6f} last_sync_divergence={divergence:.3e} "
-          f"param_checksum={checksum:.17g}", flush=True)
+    # one write per line, so the ranks' lines do not interleave on a shared pipe
+    sys.stdout.write(f"rank {rank} of {world}: eval_loss={eval_loss:.6f} "
+                     f"last_sync_divergence={divergence:.3e} param_checksum={checksum:.17g}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -32,7 +33,6 @@ import torch.utils.data.distributed
 try:
     import flodl_opt as hvd  # was: import horovod.torch as hvd
 except ImportError:  # run from a source checkout without installing
-    import sys
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import flodl_opt as hvd
 
@@ -202,7 +202,9 @@ if __name__ == "__main__":
         test_loss, test_accuracy = test()
 
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
-    print(f"rank {hvd.rank()} of {hvd.size()} ({hvd.launch_info().launcher}): "
-          f"final test_loss={test_loss:.6f} accuracy={test_accuracy:.4f} "
-          f"param_checksum={checksum:.17g}", flush=True)
+    # one write per line, so the ranks' lines do not interleave on a shared pipe
+    sys.stdout.write(f"rank {hvd.rank()} of {hvd.size()} ({hvd.launch_info().launcher}): "
+                     f"final test_loss={test_loss:.6f} accuracy={test_accuracy:.4f} "
+                     f"param_checksum={checksum:.17g}\n")
+    sys.stdout.flush()
     hvd.shutdown()

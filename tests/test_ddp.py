@@ -6,11 +6,7 @@ ranks' local gradients; afterwards it must be exactly the rank's own local gradi
 all-reduce), the params must differ across ranks between syncs and be equal after each sync,
 and BatchNorm's running stats must be the rank's own (no per-forward broadcast from rank 0).
 """
-import copy
-import functools
-
 import numpy as np
-import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -68,10 +64,21 @@ def rank_ddp_local_sgd(rank, world, ddp_kwargs):
     return out
 
 
-@pytest.mark.parametrize("ddp_kwargs", [{"find_unused_parameters": True}, {"static_graph": True}],
-                         ids=["reducer-bypassed", "comm-hook-only"])
-def test_ddp_model_trains_locally_between_syncs(ddp_kwargs):
-    out = run_ranks(rank_ddp_local_sgd, 2, ddp_kwargs, timeout=90)
+def rank_ddp_cases(rank, world, cases):
+    return [rank_ddp_local_sgd(rank, world, kwargs) for kwargs in cases]
+
+
+# find_unused_parameters: the reducer is bypassed in local phases; static_graph: only the hook acts.
+CASES = [{"find_unused_parameters": True}, {"static_graph": True}]
+
+
+def test_ddp_model_trains_locally_between_syncs():
+    runs = run_ranks(rank_ddp_cases, 2, CASES, timeout=90)
+    for c in range(len(CASES)):
+        _check_case([runs[0][c], runs[1][c]])
+
+
+def _check_case(out):
     assert [o["broadcast_buffers"] for o in out] == [False, False]
     for i in range(STEPS):
         step = i + 1

@@ -174,6 +174,23 @@ def rank_mixed_clip_compress(rank, world):
     out["calls"] = c.calls
     out["local"], out["synced"], out["clipped"] = local, synced, clipped
     out["params"] = [p.detach().clone() for p in model.parameters()]
+    # AMP as in Horovod: synchronize, unscale_, then the scaler's step without a second reduce
+    amp = _net(torch.float32)
+    aopt = flo.DistributedOptimizer(torch.optim.SGD(amp.parameters(), lr=LR))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    xa, ya = _batches(1, 6, seed=50 + rank)[0]
+    aopt.zero_grad()
+    scaler.scale(_loss(amp, xa.float(), ya.float())).backward()
+    out["amp_local"] = [p.grad.clone() / 1024.0 for p in amp.parameters()]
+    with _CountAllReduce() as c:
+        aopt.synchronize()
+        scaler.unscale_(aopt)
+        out["amp_unscaled"] = [p.grad.clone() for p in amp.parameters()]
+        with aopt.skip_synchronize():
+            scaler.step(aopt)
+        scaler.update()
+    out["amp_calls"] = c.calls
+    out["amp_params"] = [p.detach().clone() for p in amp.parameters()]
     # fp16 on the wire: close to the exact average, not equal
     model16 = _net(torch.float32)
     opt16 = flo.DistributedOptimizer(torch.optim.SGD(model16.parameters(), lr=LR),
@@ -206,6 +223,13 @@ def test_mixed_dtypes_synchronize_clip_and_fp16_compression():
             assert torch.allclose(s, avg, rtol=2e-3, atol=1e-4)
     for a, b in zip(out[0]["params"], out[1]["params"]):
         assert torch.equal(a, b)
+    for o in out:
+        assert o["amp_calls"] == 1
+        for i, g in enumerate(o["amp_unscaled"]):
+            avg = (out[0]["amp_local"][i] + out[1]["amp_local"][i]) / 2
+            assert torch.allclose(g, avg, rtol=1e-5, atol=1e-7)
+    for a, b, init in zip(out[0]["amp_params"], out[1]["amp_params"], _net(torch.float32).parameters()):
+        assert torch.equal(a, b) and not torch.equal(a, init.detach())  # stepped, identically
 
 
 # ---------------------------------------------------------------- bad input fails on every rank

@@ -17,7 +17,8 @@ from dist_harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240
-LINE = re.compile(r"rank (\d+) of (\d+)(?: \((\w+)\))?: .*?param_checksum=(\S+)")
+NUM = r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
+LINE = re.compile(rf"rank (\d+) of (\d+)(?: \((\w+)\))?: .*?param_checksum=({NUM})")
 
 pytestmark = pytest.mark.launcher
 
@@ -83,5 +84,5 @@ def test_torchrun_runs_the_ddp_script_with_local_sgd():
     assert {w for w, _, _ in ranks.values()} == {2}
     assert ranks[0][2] == ranks[1][2]
     # the ranks drifted apart between syncs: DDP's gradient all-reduce really was off
-    divergences = [float(d) for d in re.findall(r"last_sync_divergence=(\S+)", out)]
+    divergences = [float(d) for d in re.findall(rf"last_sync_divergence=({NUM})", out)]
     assert len(divergences) == 2 and all(d > 0 for d in divergences), out[-2000:]

@@ -115,9 +115,9 @@ class Consensus:
     def count(self, steps: int, active: bool, nonfinite: bool, sync_number: int = 0) -> Totals:
         """One small SUM of [mass, mover, active, non-finite, steps, sync, sync^2] over the cohort.
 
-        The sync numbers ride along so that ranks which disagree on how many syncs they ran (a
-        ``sync()`` called on some ranks only) all find out from the same totals, instead of
-        pairing unrelated collectives silently or hanging at the end.
+        The sync numbers ride along so that ranks which disagree on how many syncs they ran (one
+        resumed from another checkpoint, or load_state_dict on some ranks only) all find out from
+        the same totals, instead of averaging unrelated points of training silently.
         """
         mass = 0.0 if nonfinite else gamma_mass(steps, self.gamma)
         mover = 1.0 if (steps > 0 and not nonfinite) else 0.0
@@ -235,10 +235,9 @@ class Consensus:
             if self.world_size * totals.sync_sq != totals.sync * totals.sync:
                 raise ConfigError(
                     f"flodl_opt: ranks disagree on the sync number (this is rank {self.rank}'s sync "
-                    f"#{sync_number}; the cohort's mean is {totals.sync / self.world_size:g}): sync() "
-                    "was called on some ranks only, or ranks ran a different number of step()s. "
-                    "Call opt.sync() and opt.step() on every rank alike (uneven data: wrap the loop "
-                    "in `with opt.join():`).")
+                    f"#{sync_number}; the cohort's mean is {totals.sync / self.world_size:g}): the ranks "
+                    "resumed from different checkpoints or state dicts. Load the same checkpoint on "
+                    "every rank (flo.load_checkpoint does), or call opt.load_state_dict on all of them.")
             stats.total_mass, stats.movers, stats.active = totals.mass, int(totals.movers), int(totals.active)
             stats.cohort_steps = int(totals.steps)
             stats.nonfinite = nonfinite

@@ -63,8 +63,8 @@ def _to_torch(obj):
 
 
 def portable(fn):
-    """Rank results travel as numpy (a tensor sent through a queue shares memory with a process
-    that exits right after); the test side gets tensors back from ``_run``."""
+    """Rank results travel as numpy arrays (plain pickles, no shared-memory handoff between
+    processes); the test side gets tensors back from ``_run``."""
     @functools.wraps(fn)
     def wrapper(*args):
         return _to_np(fn(*args))

@@ -65,7 +65,20 @@ def rank_ddp_local_sgd(rank, world, ddp_kwargs):
 
 
 def rank_ddp_cases(rank, world, cases):
-    return [rank_ddp_local_sgd(rank, world, kwargs) for kwargs in cases]
+    out = [rank_ddp_local_sgd(rank, world, kwargs) for kwargs in cases]
+    hooked = DDP(_net())
+    hooked.register_comm_hook(None, _noop_hook)
+    try:
+        flo.LocalSGDOptimizer(torch.optim.SGD(hooked.parameters(), lr=0.1), model=hooked, sync_every=K)
+    except flo.ConfigError as e:
+        out.append(str(e))
+    return out
+
+
+def _noop_hook(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 # find_unused_parameters: the reducer is bypassed in local phases; static_graph: only the hook acts.
@@ -76,6 +89,8 @@ def test_ddp_model_trains_locally_between_syncs():
     runs = run_ranks(rank_ddp_cases, 2, CASES, timeout=90)
     for c in range(len(CASES)):
         _check_case([runs[0][c], runs[1][c]])
+    for r in runs:  # a DDP model with its own comm hook is refused, on every rank
+        assert len(r) == len(CASES) + 1 and "already has a communication hook" in r[-1]
 
 
 def _check_case(out):

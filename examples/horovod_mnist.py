@@ -59,7 +59,7 @@ def synthetic_mnist(n: int, seed: int) -> torch.utils.data.TensorDataset:
     templates = torch.randn(10, 1, 28, 28, generator=g)
     g.manual_seed(seed)
     labels = torch.randint(0, 10, (n,), generator=g)
-    images = templates[labels] + 1.5 * torch.randn(n, 1, 28, 28, generator=g)
+    images = 3.0 * templates[labels] + torch.randn(n, 1, 28, 28, generator=g)
     return torch.utils.data.TensorDataset(images, labels)
 
 

@@ -159,6 +159,8 @@ class Consensus:
         return issued
 
     def _reduce_nccl(self, g: FlatGroup, factor: float) -> int:
+        # Only groups of two or more get here (``distributed``): NCCL 2.28's one-rank PREMUL_SUM
+        # leaves a few elements of some buffer sizes unscaled (seen on an H200, GPU_NOTES.md).
         buf = g.staging()
         if not g.wide:
             buf.copy_(g.flat)

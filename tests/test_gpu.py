@@ -62,10 +62,14 @@ def _force_collectives(cons: Consensus) -> Consensus:
 
 
 def _mixed_tensors(dev, seed=0):
+    # Odd tensor sizes, but every flat buffer a multiple of 4096 elements: NCCL 2.28's one-rank
+    # PREMUL_SUM leaves a few tail elements of some other sizes unscaled (see GPU_NOTES.md; a
+    # world of one never reduces in flodl_opt, so only this test meets it).
     g = torch.Generator().manual_seed(seed)
-    specs = [((257, 33), torch.float32), ((4099,), torch.float32), ((1 << 20,), torch.float32),
-             ((513, 7), torch.bfloat16), ((100_003,), torch.bfloat16), ((3001,), torch.float16),
-             ((77, 5), torch.float64)]
+    specs = [((257, 33), torch.float32), ((3807,), torch.float32), ((1 << 20,), torch.float32),
+             ((513, 7), torch.bfloat16), ((98_809,), torch.bfloat16),
+             ((1001,), torch.float16), ((3095,), torch.float16),
+             ((77, 5), torch.float64), ((3711,), torch.float64)]
     return [(torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype).to(dev)
             for shape, dtype in specs]
 
@@ -90,10 +94,19 @@ def test_nccl_premul_sum_matches_float64(nccl_one, factor):
     issued = cons.reduce(groups, factor)
     torch.cuda.synchronize()
     assert issued == len(groups) == 4  # ONE collective per flat buffer (f32, bf16, f16, f64)
+    bad = []
     for t, ref in zip(tensors, refs):
-        err = _max_rel_err(t, ref)
-        assert err <= REL_TOL[t.dtype], f"{t.dtype} {tuple(t.shape)}: max rel err {err:.3g}"
-        assert bool((t != 0).all()), f"{t.dtype}: zeros in the result (bf16 PREMUL_SUM bug?)"
+        # float16 results below 2^-14 are subnormal: allow half their spacing (2^-25) as well.
+        slack = 2.0 ** -25 if t.dtype == torch.float16 else 0.0
+        rel = ((t.double() - ref).abs() - slack).clamp_min(0) / ref.abs().clamp_min(1e-30)
+        wrong = int((rel > REL_TOL[t.dtype]).sum())
+        if wrong:
+            unscaled = int((t.double() == (ref / factor).to(t.dtype).double()).sum())
+            bad.append(f"{t.dtype} {tuple(t.shape)}: {wrong} of {t.numel()} off (max rel err "
+                       f"{float(rel.max()):.3g}, {unscaled} equal to the unscaled input)")
+        if not bool((t != 0).all()):
+            bad.append(f"{t.dtype} {tuple(t.shape)}: zeros in the result (bf16 PREMUL_SUM bug?)")
+    assert not bad, "\n".join(bad)
     # The factor is a device tensor of the reduce dtype (float32 for bf16/fp16): no host sync.
     assert {(f.device.type, f.dtype) for f in cons._factors.values()} == \
         {("cuda", torch.float32), ("cuda", torch.float64)}
@@ -146,7 +159,9 @@ def test_nccl_world_of_one_optimizer_sync_is_identity(nccl_one):
     """The whole sync through NCCL at a world of one: count + one PREMUL_SUM per buffer, identity."""
     torch.manual_seed(0)
     model = _Net().to(nccl_one)
-    opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, sync_every=3)
+    # SGD: AdamW's eps underflows in float16 state, which would make the fp16 param non-finite.
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9), model=model,
+                                sync_every=3)
     _force_collectives(opt._consensus)
     n_buffers = len(opt._param_groups_flat) + len(opt._buffer_groups_flat)
     assert n_buffers == 4  # f32 params, bf16 params, f16 params, f32 BatchNorm stats

@@ -319,6 +319,9 @@ def _agree_from_root(error: Optional[str], group, world: int, src: int) -> None:
         raise RuntimeError(f"flodl_opt.save_checkpoint: {error}; the previous checkpoint is intact")
 
 
+_MISSING = "no file at "
+
+
 def load_checkpoint(path: PathLike, model: nn.Module, opt: LocalSGDOptimizer, *, strict: bool = True,
                     missing_ok: bool = False, restore_rng: bool = True,
                     weights_only: bool = False) -> Any:
@@ -344,7 +347,7 @@ def load_checkpoint(path: PathLike, model: nn.Module, opt: LocalSGDOptimizer, *,
     payload, error = None, None
     try:
         if not os.path.exists(path):
-            error = "missing"
+            error = _MISSING + path
         else:
             payload = torch.load(path, map_location="cpu", weights_only=weights_only)
             if not (isinstance(payload, dict) and payload.get("format") == FORMAT):
@@ -360,14 +363,14 @@ def load_checkpoint(path: PathLike, model: nn.Module, opt: LocalSGDOptimizer, *,
     if world > 1:
         statuses = [None] * world
         dist.all_gather_object(statuses, error, group=group)
-    if all(s == "missing" for s in statuses):
+    if all(s is not None and s.startswith(_MISSING) for s in statuses):
         if missing_ok:
             return None
         raise FileNotFoundError(f"flodl_opt.load_checkpoint: no checkpoint at {path}; pass "
                                 "missing_ok=True to start fresh when there is none")
     bad = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if bad:
-        lines = "\n".join(f"  rank {r}: {'no file at ' + path if s == 'missing' else s}" for r, s in bad)
+        lines = "\n".join(f"  rank {r}: {s}" for r, s in bad)
         raise RuntimeError(f"flodl_opt.load_checkpoint failed on rank(s) {[r for r, _ in bad]}:\n{lines}\n"
                            "Every rank reads the file: put it on a filesystem all ranks see.")
 

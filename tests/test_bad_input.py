@@ -358,23 +358,33 @@ def load_checkpoint_other_model_everywhere(rank, tmp):
     flo.load_checkpoint(os.path.join(tmp, "c2.pt"), m2, opt2)
 
 
+def checkpoint_visible_on_some_ranks_only(rank, tmp):
+    m, opt = _wrap(stall_warning_s=None)
+    flo.save_checkpoint(os.path.join(tmp, "only0.pt"), m, opt)
+    # Rank 1 looks where rank 0's file is not, as with a node-local disk.
+    flo.load_checkpoint(os.path.join(tmp, f"only{rank}.pt"), m, opt)
+
+
 SAME_GROUP = [
-    # (id, fn, what every rank's ConfigError must say)
-    ("different models on different ranks", different_models,
+    # (id, fn, exception every rank must raise, what its message must say)
+    ("different models on different ranks", different_models, "ConfigError",
      r"ranks wrap different models or configs.*Build the same model"),
-    ("different sync_every on different ranks", different_sync_every,
+    ("different sync_every on different ranks", different_sync_every, "ConfigError",
      r"'sync_every': 4.*'sync_every': 5.*Build the same model, optimizer and LocalSGDOptimizer"),
-    ("different outer on different ranks", different_outer, r"ranks wrap different models or configs"),
-    ("load_state_dict on one rank only", load_state_dict_on_one_rank,
+    ("different outer on different ranks", different_outer, "ConfigError", r"ranks wrap different models or configs"),
+    ("load_state_dict on one rank only", load_state_dict_on_one_rank, "ConfigError",
      r"disagree on the sync number.*Load the same checkpoint on every rank"),
-    ("save_checkpoint between syncs", save_checkpoint_between_syncs_everywhere, r"after the last sync.*sync=True"),
-    ("load_checkpoint into another model", load_checkpoint_other_model_everywhere,
+    ("save_checkpoint between syncs", save_checkpoint_between_syncs_everywhere, "ConfigError",
+     r"after the last sync.*sync=True"),
+    ("load_checkpoint into another model", load_checkpoint_other_model_everywhere, "ConfigError",
      r"different model.*build the same model"),
+    ("checkpoint visible on some ranks only", checkpoint_visible_on_some_ranks_only, "RuntimeError",
+     r"failed on rank\(s\) \[1\].*no file at .*only1\.pt.*a filesystem all ranks see"),
 ]
 
 
 def _same_group_rows(rank, world, tmp):
-    return {name: _outcome(functools.partial(fn, rank, tmp)) for name, fn, _ in SAME_GROUP}
+    return {name: _outcome(functools.partial(fn, rank, tmp)) for name, fn, _, _ in SAME_GROUP}
 
 
 @pytest.fixture(scope="module")
@@ -383,11 +393,12 @@ def same_group_outcomes(tmp_path_factory):
                      collective_timeout=5)
 
 
-@pytest.mark.parametrize("name, says", [(r[0], r[2]) for r in SAME_GROUP], ids=[r[0] for r in SAME_GROUP])
-def test_bad_call_across_ranks_errors_on_every_rank(name, says, same_group_outcomes):
+@pytest.mark.parametrize("name, expected, says", [(r[0], r[2], r[3]) for r in SAME_GROUP],
+                         ids=[r[0] for r in SAME_GROUP])
+def test_bad_call_across_ranks_errors_on_every_rank(name, expected, says, same_group_outcomes):
     for rank, outcomes in enumerate(same_group_outcomes):
         exc, msg = outcomes[name]
-        assert exc == "ConfigError", f"rank {rank}: expected ConfigError, got {exc}: {msg}"
+        assert exc == expected, f"rank {rank}: expected {expected}, got {exc}: {msg}"
         assert re.search(says, msg, re.S), f"rank {rank}: {msg!r} does not match {says!r}"
 
 

@@ -77,9 +77,18 @@ def test_torchrun_sigkill_mid_run_resumes_exactly(tmp_path, uninterrupted):
     _assert_same(torch.load(out), uninterrupted)
 
 
-def test_resume_in_new_processes_is_exact_with_background_writes(tmp_path, uninterrupted):
+@pytest.fixture(scope="module")
+def halfway(tmp_path_factory):
+    """A checkpoint a 2-rank run wrote at step 12 (a consensus point), with background writes."""
+    ckpt = str(tmp_path_factory.mktemp("halfway") / "last.pt")
+    run_ranks(_train, 2, ckpt, 12, True, timeout=120)
+    return ckpt
+
+
+def test_resume_in_new_processes_is_exact_with_background_writes(tmp_path, halfway, uninterrupted):
     ckpt = str(tmp_path / "last.pt")
-    run_ranks(_train, 2, ckpt, 12, True, timeout=120)           # stop at step 12 (a consensus)
+    with open(halfway, "rb") as src, open(ckpt, "wb") as dst:
+        dst.write(src.read())
     finals = run_ranks(_train, 2, ckpt, STEPS, True, timeout=120)  # new processes resume from it
     _assert_same(finals[0], uninterrupted)
     _assert_same(finals[1], uninterrupted)
@@ -116,9 +125,7 @@ def _check_resized(rank, world, ckpt):
     return extra
 
 
-def test_world_size_changes_between_save_and_load(tmp_path):
-    ckpt = str(tmp_path / "last.pt")
-    run_ranks(_train, 2, ckpt, 8, timeout=120)
-    extras = run_ranks(_check_resized, 3, ckpt, timeout=120)     # 2 -> 3 ranks
-    assert extras == [{"step": 8}] * 3
-    assert _check_resized(0, 1, ckpt) == {"step": 8}              # 2 -> 1 rank (this process)
+def test_world_size_changes_between_save_and_load(halfway):
+    extras = run_ranks(_check_resized, 3, halfway, timeout=120)   # 2 -> 3 ranks
+    assert extras == [{"step": 12}] * 3
+    assert _check_resized(0, 1, halfway) == {"step": 12}          # 2 -> 1 rank (this process)

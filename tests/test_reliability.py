@@ -290,3 +290,29 @@ def test_checkpoint_write_sigkilled_midway_leaves_previous_loadable(tmp_path):
     ref = torch.load(path + ".ref")
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref[k]), k
+
+
+def test_background_write_failure_surfaces_at_the_next_save(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    model, opt = _tiny()
+    _local_steps(model, opt, 0, 2)
+    flo.save_checkpoint(path, model, opt, extra={"step": 2}, background=True).wait()
+    good = _digest(path)
+    _local_steps(model, opt, 0, 2)
+
+    def fails(obj, f):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(ckpt_mod, "_serialize", fails)
+    handle = flo.save_checkpoint(path, model, opt, extra={"step": 4}, background=True)
+    handle._thread.join(30)
+    assert isinstance(handle.error, OSError)
+    monkeypatch.undo()
+    _local_steps(model, opt, 0, 2)
+    with pytest.raises(RuntimeError, match="background checkpoint write failed: OSError.*Input/output error"):
+        flo.save_checkpoint(path, model, opt, extra={"step": 6}, background=True)
+    assert _digest(path) == good and os.listdir(tmp_path) == ["last.pt"]
+    flo.save_checkpoint(path, model, opt, extra={"step": 6}, background=True)   # reported once, then on
+    flo.wait_checkpoint()
+    model2, opt2 = _tiny()
+    assert flo.load_checkpoint(path, model2, opt2) == {"step": 6}
+    assert torch.equal(_flat(model2), _flat(model))

@@ -440,3 +440,33 @@ def test_gloo_cuda_two_ranks_stream_stress():
         assert o["syncs"] == steps // sync_every
         assert o["same"], "ranks differ after the last sync"
         assert o["worst"] < 5e-4, f"weights off the float64 replay by {o['worst']:.3g}"
+
+
+# ------------------------------------------------------------------ two or more GPUs (NCCL)
+def rank_nccl_multi_gpu(rank, world):
+    """A real NCCL group, one GPU per rank: PREMUL_SUM of odd-sized buffers against float64."""
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    nccl = dist.new_group(backend="nccl")  # beside the harness's Gloo group
+    g = torch.Generator().manual_seed(500 + rank)
+    sizes = [(103_594, torch.float32), (100_003, torch.bfloat16), (4097, torch.float16)]  # n % 16 != 0
+    tensors = [(torch.rand(n, generator=g, dtype=torch.float64) + 0.5 + rank).to(dt).to(dev) for n, dt in sizes]
+    pre = gather_object([t.cpu().double() for t in tensors])
+    cons = Consensus(pack(tensors, "param"), [], nccl, world, rank, "nccl", gamma=1.0)
+    stats = cons.run(steps=rank + 1, sync_number=1)
+    mass = [r + 1.0 for r in range(world)]
+    for i, t in enumerate(tensors):
+        ref = sum(mass[r] * pre[r][i] for r in range(world)) / sum(mass)
+        err = float(((t.cpu().double() - ref).abs() / ref.abs()).max())
+        assert err <= REL_TOL[t.dtype] * 2, f"{t.dtype} n={t.numel()}: max rel err {err:.3g} (unscaled tail?)"
+    post = gather_object([t.cpu() for t in tensors])
+    assert all(torch.equal(a, b) for r in range(world) for a, b in zip(post[0], post[r]))
+    return stats.weight
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two or more GPUs (NCCL refuses two ranks on one GPU)")
+def test_nccl_multi_gpu_premul_odd_sizes_match_float64():
+    world = torch.cuda.device_count()
+    weights = run_ranks(rank_nccl_multi_gpu, world, timeout=240, collective_timeout=60)
+    assert weights == pytest.approx([(r + 1) / sum(range(1, world + 1)) for r in range(world)])

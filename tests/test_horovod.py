@@ -409,12 +409,15 @@ def rank_broadcasts(rank, world, root):
     opt.zero_grad()
     _loss(model, x.float(), y.float()).backward()
     opt.step()
+    torch.manual_seed(20 + rank)
+    extra = nn.Linear(3, 2)
+    flo.broadcast_parameters(extra.named_parameters(), root_rank=root)  # a generator of (name, param)
     obj = flo.broadcast_object({"epoch": 3 + rank, "tag": f"r{rank}"}, root_rank=root)
     mean = flo.allreduce(torch.tensor([float(rank + 1), 10.0]), name="m")
     total = flo.allreduce(torch.tensor([rank + 1]), op=flo.Sum)
     gathered = flo.allgather(torch.full((1 + rank, 2), float(rank)))
     objs = flo.allgather_object({"rank": rank})
-    return {"gathered": gathered, "objs": objs, "sd": sd, "model": model.state_dict(), "root_untouched": root_untouched, "obj": obj,
+    return {"extra": extra.state_dict(), "gathered": gathered, "objs": objs, "sd": sd, "model": model.state_dict(), "root_untouched": root_untouched, "obj": obj,
             "mean": mean, "total": total, "state_keys": sorted(sd["state"][0])}
 
 
@@ -435,6 +438,8 @@ def test_broadcasts_leave_every_rank_equal_to_root():
         assert torch.equal(o["model"][k], v), k
     assert int(r["model"]["1.num_batches_tracked"]) == 4
     assert o["obj"] == {"epoch": 3 + root, "tag": f"r{root}"}
+    for k, v in r["extra"].items():
+        assert torch.equal(o["extra"][k], v), k
     for x in out:
         assert torch.equal(x["mean"], torch.tensor([1.5, 10.0]))
         assert torch.equal(x["total"], torch.tensor([3]))

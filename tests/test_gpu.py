@@ -115,6 +115,20 @@ def test_nccl_premul_sum_matches_float64(nccl_one, factor):
             assert g.staging().dtype == torch.float32
 
 
+def test_nccl_large_bf16_reduced_in_float32(nccl_one):
+    """64M bf16 weights through the float32 staging buffer: the copy back must wait for NCCL."""
+    n = 64 << 20
+    x = (torch.rand(n, device=nccl_one, dtype=torch.float32) + 0.5).to(torch.bfloat16)
+    ref = x.double() * 0.3713
+    groups = pack([x], "param")
+    cons = _force_collectives(Consensus(groups, [], None, 1, 0, "nccl"))
+    cons.reduce(groups, 0.3713)  # staging copy -> PREMUL_SUM in float32 -> copy back, all queued
+    rel = (x.double() - ref).abs() / ref
+    wrong = int((rel > REL_TOL[torch.bfloat16]).sum())
+    assert groups[0].staging().dtype == torch.float32
+    assert wrong == 0, f"{wrong} of {n} bf16 weights off the float64 reference (max rel err {float(rel.max()):.3g})"
+
+
 def test_nccl_reduce_makes_no_host_sync(nccl_one):
     tensors = _mixed_tensors(nccl_one, seed=5)
     groups = pack(tensors, "param")

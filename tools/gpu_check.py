@@ -242,7 +242,7 @@ def _figures_child(port: int, out: Optional[str]) -> None:
                 timed(steps[k], 20)
             per = {k: [] for k in steps}
             n = 200 if width <= 2048 else 40
-            for _ in range(7):  # interleaved blocks: drift hits both alike
+            for _ in range(11):  # interleaved blocks: drift hits both alike
                 for k in steps:
                     per[k].append(timed(steps[k], n))
             med = {k: statistics.median(v) * 1e6 for k, v in per.items()}
@@ -250,6 +250,7 @@ def _figures_child(port: int, out: Optional[str]) -> None:
             row = {"model": label, "params_M": round(sum(p.numel() for p in models["bare"].parameters()) / 1e6, 2),
                    "clip": clip, "bare_us": round(med["bare"], 1), "wrapped_us": round(med["wrapped"], 1),
                    "ratio": round(med["wrapped"] / med["bare"], 4),
+                   "ratio_of_min": round(min(per["wrapped"]) / min(per["bare"]), 4),
                    "spread": round(max(spread.values()), 4)}
             results["step"].append(row)
             print("step", row, flush=True)
@@ -304,10 +305,12 @@ def _figures_child(port: int, out: Optional[str]) -> None:
         del opt, params, m, flat, other
         torch.cuda.empty_cache()
 
-    print("\n%-14s %6s %5s %11s %11s %7s" % ("model", "M", "clip", "bare us", "wrapped us", "ratio"))
+    print("\n%-14s %6s %5s %11s %11s %7s %7s %7s" % ("model", "M", "clip", "bare us", "wrapped us", "ratio",
+                                                     "min/min", "spread"))
     for r in results["step"]:
-        print("%-14s %6.2f %5s %11.1f %11.1f %7.4f" % (r["model"], r["params_M"], r["clip"], r["bare_us"],
-                                                       r["wrapped_us"], r["ratio"]))
+        print("%-14s %6.2f %5s %11.1f %11.1f %7.4f %7.4f %7.3f" % (
+            r["model"], r["params_M"], r["clip"], r["bare_us"], r["wrapped_us"], r["ratio"],
+            r["ratio_of_min"], r["spread"]))
     print("\n%6s %9s %9s %9s %10s %10s %9s %9s" % ("M", "copy ms", "ar ms", "premul", "sync w1", "sync nccl",
                                                    "w1/ar", "nccl/ar"))
     for r in results["sync"]:
@@ -377,7 +380,7 @@ def main(argv=None) -> int:
     res["summary"] = _pytest_summary(res)
     steps.append(res)
     if args.negative:
-        for brk, sel in (("fence", "stress and cross_stream"), ("nccl_wait", "(stress and in_step) or premul")):
+        for brk, sel in (("fence", "stress and cross_stream"), ("nccl_wait", "(stress and in_step) or premul or large_bf16")):
             res = _run(f"negative-{brk}", [py, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                                            "tests/test_gpu.py", "-k", sel], args.timeout,
                        {"FLODL_GPU_BREAK": brk})

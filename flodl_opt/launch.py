@@ -95,7 +95,11 @@ def _rendezvous_env(info: LaunchInfo) -> None:
     if info.launcher == "torchrun":
         return
     if "MASTER_ADDR" not in os.environ:
-        if info.local_size >= info.size:  # every rank on this node
+        # Slurm sets SLURM_NTASKS_PER_NODE only under --ntasks-per-node (the local size then
+        # defaults to the world size): trust its node count instead.
+        nodes = (os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES")
+                 if info.launcher == "slurm" else None)
+        if (int(nodes) == 1) if nodes else info.local_size >= info.size:  # every rank on this node
             os.environ["MASTER_ADDR"] = "127.0.0.1"
         else:
             addr = _master_addr_over_mpi()

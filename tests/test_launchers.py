@@ -81,3 +81,22 @@ def test_torchrun_runs_the_ddp_script_with_local_sgd():
     # the ranks drifted apart between syncs: DDP's gradient all-reduce really was off
     divergences = [float(d) for d in re.findall(rf"last_sync_divergence=({NUM})", out)]
     assert len(divergences) == 2 and all(d > 0 for d in divergences), out[-2000:]
+
+
+def test_multi_node_slurm_without_ntasks_per_node_does_not_assume_one_node(monkeypatch):
+    """srun -N 2 -n 4 sets no SLURM_NTASKS_PER_NODE: loopback would strand the second node."""
+    from flodl_opt import launch
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NNODES": "2",
+           "SLURM_JOB_ID": "77"}
+    for v in ("MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_NUM_NODES"):
+        monkeypatch.delenv(v, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(launch, "_master_addr_over_mpi", lambda: None)
+    info = launch.discover()
+    assert (info.launcher, info.size) == ("slurm", 4)
+    with pytest.raises(RuntimeError, match="MASTER_ADDR is not set"):
+        launch._rendezvous_env(info)
+    monkeypatch.setenv("SLURM_NNODES", "1")  # one node: loopback and a port from the job id
+    launch._rendezvous_env(info)
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and 20000 <= int(os.environ["MASTER_PORT"]) < 40000

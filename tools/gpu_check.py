@@ -352,6 +352,7 @@ def main(argv=None) -> int:
     ap.add_argument("--also", action="append", default=[], help="a further command to run (repeatable)")
     ap.add_argument("--timeout", type=float, default=420, help="seconds per step")
     ap.add_argument("--suite-timeout", type=float, default=300, help="seconds for --suite")
+    ap.add_argument("--suite-workers", type=int, default=4, help="pytest-xdist workers for --suite")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json")
     ap.add_argument("--probe", action="store_true", help="stream-order probe of a world-of-one PREMUL_SUM")
     ap.add_argument("--_nccl-child", nargs=2, type=int, help=argparse.SUPPRESS, dest="nccl_child")
@@ -390,16 +391,33 @@ def main(argv=None) -> int:
             steps.append(res)
     if args.nccl_two_ranks:
         steps.append(nccl_two_ranks())
+    report["steps"] = steps
+
+    def save() -> None:  # after every step: a run cut short still leaves what it did
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+                json.dump(report, f, indent=1)
+
+    save()
+    if args.figures:
+        steps.append(figures(args.out, args.timeout))
+        save()
+    for cmd in args.also:
+        steps.append(_run(f"also: {cmd}", shlex.split(cmd), args.timeout))
+        save()
     if args.suite:
-        res = _run("suite", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests",
+        # One worker per test file when pytest-xdist is there: files stay sequential inside.
+        try:
+            import xdist  # noqa: F401
+            par = ["-n", str(args.suite_workers), "--dist", "loadfile"] if args.suite_workers > 1 else []
+        except ImportError:
+            par = []
+        res = _run("suite", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *par, "tests",
                              "--ignore=tests/test_gpu.py"], args.suite_timeout)
         res["summary"] = _pytest_summary(res)
         steps.append(res)
-    if args.figures:
-        steps.append(figures(args.out, args.timeout))
-    for cmd in args.also:
-        steps.append(_run(f"also: {cmd}", shlex.split(cmd), args.timeout))
-    report["steps"] = steps
+        save()
 
     print("\n===== summary")
     print(f"card: {report['card'].get('name')} | torch {report['card']['torch']} | CUDA "
@@ -410,10 +428,7 @@ def main(argv=None) -> int:
         if "expected" in s:
             note = "  (expected to fail: " + ("CAUGHT" if s["caught"] else "NOT caught") + ")"
         print(f"{s['name'][:60]:60s} {what}{note}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-            json.dump(report, f, indent=1)
+    save()
     ok = all(s["rc"] == 0 for s in steps if "expected" not in s and not s["name"].startswith("nccl-two"))
     return 0 if ok else 1
 

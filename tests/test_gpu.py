@@ -472,7 +472,8 @@ def rank_nccl_multi_gpu(rank, world):
     for i, t in enumerate(tensors):
         ref = sum(mass[r] * pre[r][i] for r in range(world)) / sum(mass)
         err = float(((t.cpu().double() - ref).abs() / ref.abs()).max())
-        assert err <= REL_TOL[t.dtype] * 2, f"{t.dtype} n={t.numel()}: max rel err {err:.3g} (unscaled tail?)"
+        tol = REL_TOL[t.dtype] * max(2, world)  # one float32 rounding per rank's term
+        assert err <= tol, f"{t.dtype} n={t.numel()}: max rel err {err:.3g} (unscaled tail?)"
     post = gather_object([t.cpu() for t in tensors])
     assert all(torch.equal(a, b) for r in range(world) for a, b in zip(post[0], post[r]))
     return stats.weight

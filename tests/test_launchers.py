@@ -89,7 +89,8 @@ def test_multi_node_slurm_without_ntasks_per_node_does_not_assume_one_node(monke
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NNODES": "2",
            "SLURM_JOB_ID": "77"}
     for v in ("MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_NUM_NODES"):
-        monkeypatch.delenv(v, raising=False)
+        monkeypatch.setenv(v, "")  # recorded, so what _rendezvous_env sets is undone afterwards
+        monkeypatch.delenv(v)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(launch, "_master_addr_over_mpi", lambda: None)

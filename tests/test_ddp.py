@@ -5,6 +5,7 @@ Each step every rank also computes its *local* gradient on an undistributed twin
 ranks' local gradients; afterwards it must be exactly the rank's own local gradient (no
 all-reduce), the params must differ across ranks between syncs and be equal after each sync,
 and BatchNorm's running stats must be the rank's own (no per-forward broadcast from rank 0).
+A DDP model with uneven data (3x fewer batches on one rank) finishes under ``join()``.
 """
 import numpy as np
 import torch
@@ -66,6 +67,17 @@ def rank_ddp_local_sgd(rank, world, ddp_kwargs):
 
 def rank_ddp_cases(rank, world, cases):
     out = [rank_ddp_local_sgd(rank, world, kwargs) for kwargs in cases]
+    # uneven data after the warm-up: the rank with 3x fewer batches joins, nobody hangs
+    net = _net()
+    model = DDP(net)
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                sync_every=K, warmup_steps=1)
+    with opt.join():
+        for step in range(1, (12 if rank == 0 else 4) + 1):
+            opt.zero_grad()
+            _loss(model, *_batch(rank, step)).backward()
+            opt.step()
+    out.append({"uneven_params": _params(net), "syncs": opt.sync_count})
     hooked = DDP(_net())
     hooked.register_comm_hook(None, _noop_hook)
     try:
@@ -89,8 +101,11 @@ def test_ddp_model_trains_locally_between_syncs():
     runs = run_ranks(rank_ddp_cases, 2, CASES, timeout=90)
     for c in range(len(CASES)):
         _check_case([runs[0][c], runs[1][c]])
+    n = len(CASES)
+    np.testing.assert_array_equal(runs[0][n]["uneven_params"], runs[1][n]["uneven_params"])
+    assert runs[0][n]["syncs"] == runs[1][n]["syncs"] >= 4
     for r in runs:  # a DDP model with its own comm hook is refused, on every rank
-        assert len(r) == len(CASES) + 1 and "already has a communication hook" in r[-1]
+        assert len(r) == n + 2 and "already has a communication hook" in r[-1]
 
 
 def _check_case(out):

@@ -195,9 +195,30 @@ def init(backend: Optional[str] = None, timeout: Optional[datetime.timedelta] = 
             _set_cpu_threads(info)
     if owns:
         _rendezvous_env(info)
-        dist.init_process_group(backend, init_method="env://", rank=info.rank,
-                                world_size=info.size, timeout=timeout or DEFAULT_TIMEOUT)
+        store = _restart_isolated_store(info, timeout or DEFAULT_TIMEOUT)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.size,
+                                    timeout=timeout or DEFAULT_TIMEOUT)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=info.rank,
+                                    world_size=info.size, timeout=timeout or DEFAULT_TIMEOUT)
     _world = _World(info, backend, device, owns)
+
+
+def _restart_isolated_store(info: LaunchInfo, timeout: datetime.timedelta):
+    """Under ``torchrun --max-restarts``, a store namespace of its own for each restart.
+
+    torchrun's agent keeps ONE key-value store for all restarts and hands it to the workers
+    without a per-restart prefix, so a restarted rank can read the address a dead rank of the
+    previous attempt published and fail to connect (PyTorch issue 135712). Prefixing the keys
+    with the restart count, which torchrun gives every worker alike, keeps the attempts apart.
+    """
+    if info.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    tcp = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.size,
+                        is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"flodl_opt/restart{restart}/", tcp)
 
 
 def shutdown() -> None:

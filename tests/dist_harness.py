@@ -35,7 +35,8 @@ def _context():
         paths = [HERE, ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "flodl_opt", "dist_harness"])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "flodl_opt",
+                                     "dist_harness"])
     return _CTX
 
 

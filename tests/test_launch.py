@@ -40,7 +40,8 @@ def test_bad_launcher_values_say_which_variable():
 
 
 def test_multi_node_mpi_without_master_addr_says_what_to_set(monkeypatch):
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "")  # recorded, so the test leaves the variable as it found it
+    monkeypatch.delenv("MASTER_ADDR")
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # pretend mpi4py is not installed
     info = launch.LaunchInfo("openmpi", 0, 8, 0, 4)
     with pytest.raises(RuntimeError, match="export MASTER_ADDR|MASTER_ADDR is not set"):
@@ -49,7 +50,8 @@ def test_multi_node_mpi_without_master_addr_says_what_to_set(monkeypatch):
 
 def test_single_node_mpi_defaults_to_loopback_and_a_job_port(monkeypatch):
     for v in ("MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(v, raising=False)
+        monkeypatch.setenv(v, "")  # recorded, so what _rendezvous_env sets is undone afterwards
+        monkeypatch.delenv(v)
     monkeypatch.setenv("OMPI_MCA_ess_base_jobid", "1234")
     launch._rendezvous_env(launch.LaunchInfo("openmpi", 0, 2, 0, 2))
     port = int(os.environ["MASTER_PORT"])

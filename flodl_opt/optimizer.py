@@ -139,7 +139,10 @@ class LocalSGDOptimizer(torch.optim.Optimizer):
         if group_size > 1 and stall_warning_s is not None:
             self._stall = _make_watchdog(float(stall_warning_s), process_group)
             weakref.finalize(self, self._stall.close)
-        self._synced_ids = {id(t) for t in self._params}
+        # (module, attribute, param) of every trainable param: a sync checks that none was
+        # replaced, with dict lookups only (named_parameters() would walk the module tree).
+        self._param_slots = [(mod, name, p) for mod in (inner_model.modules() if inner_model is not None else ())
+                             for name, p in mod._parameters.items() if p is not None and p.requires_grad]
 
         self._local_steps = 0        # optimizer steps this rank took
         self._steps_since_sync = 0   # n_i
@@ -297,10 +300,10 @@ class LocalSGDOptimizer(torch.optim.Optimizer):
 
     def _check_model_params(self) -> None:
         """A param replaced on the model after wrapping would be neither stepped nor synced."""
-        if self.model is None:
-            return
-        for name, p in unwrap_model(self.model).named_parameters():
-            if p.requires_grad and id(p) not in self._synced_ids:
+        for mod, attr, p in self._param_slots:
+            if mod._parameters.get(attr) is not p:
+                name = next((n for n, m in unwrap_model(self.model).named_modules() if m is mod), "?")
+                name = f"{name}.{attr}" if name else attr
                 raise ConfigError(
                     f"flodl_opt: model param {name!r} was replaced after LocalSGDOptimizer was built "
                     "(a new nn.Parameter assigned to the module), so it is neither stepped nor synced. "

@@ -123,8 +123,19 @@ def _nonfinite_one_rank(rank, world):
             "finite_after": bool(torch.isfinite(_flat(model)).all())}
 
 
-def test_nonfinite_rank_gets_no_vote_is_warned_and_adopts_consensus():
-    res = run_ranks(_nonfinite_one_rank, 3, timeout=90)
+def _three_rank_faults(rank, world):
+    """The faults that leave the group usable, one after another on the same three ranks."""
+    return {"nonfinite_one": _nonfinite_one_rank(rank, world), "nonfinite_all": _all_nonfinite(rank, world),
+            "stall": _stalled_peer(rank, world, 3.0)}
+
+
+@pytest.fixture(scope="module")
+def three_rank_faults():
+    return run_ranks(_three_rank_faults, 3, timeout=120)
+
+
+def test_nonfinite_rank_gets_no_vote_is_warned_and_adopts_consensus(three_rank_faults):
+    res = [r["nonfinite_one"] for r in three_rank_faults]
     # float64 reference: the work-weighted average of the two finite ranks only.
     (s0, w0), (s1, w1), _ = res[0]["everyone"]
     expected = (s0 * w0.astype(np.float64) + s1 * w1.astype(np.float64)) / (s0 + s1)
@@ -155,9 +166,8 @@ def _all_nonfinite(rank, world):
     return {"type": None}
 
 
-def test_every_rank_nonfinite_raises_on_every_rank():
-    res = run_ranks(_all_nonfinite, 2, timeout=90)
-    for r in res:
+def test_every_rank_nonfinite_raises_on_every_rank(three_rank_faults):
+    for r in (r["nonfinite_all"] for r in three_rank_faults):
         assert r["type"] == "NonFiniteError" and r["fpe"], r
         assert "refusing to average garbage" in r["msg"] and "max_grad_norm" in r["msg"]
         assert r["counters"] == (0, 1)
@@ -188,8 +198,8 @@ def _stalled_peer(rank, world, late_s):
     return handler.messages
 
 
-def test_stall_warning_names_the_sync_and_the_missing_rank():
-    res = run_ranks(_stalled_peer, 3, 3.0, timeout=90)
+def test_stall_warning_names_the_sync_and_the_missing_rank(three_rank_faults):
+    res = [r["stall"] for r in three_rank_faults]
     for rank in (0, 1):
         hits = [m for m in res[rank] if "at sync #2" in m]
         assert hits, res[rank]

@@ -38,9 +38,15 @@ DEFAULT_STALL_WARNING_S = 60.0
 
 def _default_store():
     try:
-        return dist.distributed_c10d._get_default_store()
+        store = dist.distributed_c10d._get_default_store()
     except Exception:  # private API moved, or no store (a world of one): no peer report
         return None
+    try:
+        # A connection of the watchdog's own, so its thread never shares a socket with the
+        # training thread's store calls (Store.clone, torch >= 2.5).
+        return store.clone()
+    except Exception:
+        return store
 
 
 class StallWatchdog:

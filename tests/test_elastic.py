@@ -64,8 +64,8 @@ def test_torchrun_sigkill_mid_run_resumes_exactly(tmp_path, uninterrupted):
     proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=240)
     what = f"kill rank {kill_rank} at step {kill_step}"
     assert proc.returncode == 0, f"{what}: torchrun failed\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    # The killed rank's peer failed at the next sync with SyncError, torchrun restarted both.
-    assert "SyncError" in proc.stderr, proc.stderr[-3000:]
+    # (The killed rank's peer fails at its next sync with SyncError, unless torchrun's SIGTERM
+    # reaches it first; either way torchrun restarts both.)
     starts = {}
     for name in sorted(os.listdir(logs)):
         rec = json.loads((logs / name).read_text())

@@ -70,7 +70,10 @@ def plan(args) -> List[Dict]:
         name, _, rest = spec.partition("=")
         argv = rest.split()
         k = int(argv[argv.index("--sync-every") + 1]) if "--sync-every" in argv else 16
-        runs.append({"name": name, "label": f"{name} ({rest})", "k": k, "argv": argv})
+        runs.append({"name": name, "label": name, "k": k, "argv": argv})
+    if args.only:
+        keep = args.only.split(",")
+        runs = [r for r in runs if r["name"] in keep]
     return runs
 
 
@@ -105,7 +108,9 @@ def run_one(run: Dict, args, extra: List[str]) -> Dict:
 
 
 def table(runs: List[Dict], results: List[Dict]) -> (str, List[Dict]):
+    """Markdown table and rows; losses relative to the first run (and to K=1 model averaging)."""
     base = results[0]["final"]
+    k1 = next((res["final"] for run, res in zip(runs[1:], results[1:]) if run["name"] == "sync-k1"), None)
     rows = []
     for run, res in zip(runs, results):
         f = res["final"]
@@ -113,22 +118,26 @@ def table(runs: List[Dict], results: List[Dict]) -> (str, List[Dict]):
             "run": run["name"], "label": run["label"], "sync_every": run["k"],
             "final_val_loss": f["val_loss"],
             "vs_first_pct": 100.0 * (f["val_loss"] - base["val_loss"]) / base["val_loss"],
+            "vs_k1_pct": 100.0 * (f["val_loss"] - k1["val_loss"]) / k1["val_loss"] if k1 else None,
             "syncs": f["syncs"], "collectives": f["collectives"], "bytes": f["bytes"],
             "fewer_syncs_x": (base["syncs"] / f["syncs"]) if f["syncs"] else None,
             "fewer_bytes_x": (base["bytes"] / f["bytes"]) if f["bytes"] else None,
             "wall_s": f["wall_s"],
         })
-    head = (f"| run | final val loss | vs {runs[0]['name']} | syncs | fewer syncs | collectives "
-            "| MB sent per rank | fewer bytes | wall s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    lines = [head]
+    cols = ["run", "final val loss", f"vs {runs[0]['name']}"] + (["vs sync-k1"] if k1 else []) + \
+        ["syncs", "fewer syncs", "collectives", "MB sent per rank", "fewer bytes", "wall s"]
+    lines = ["| " + " | ".join(cols) + " |", "|---" + "|---:" * (len(cols) - 1) + "|"]
 
     def x(v):
         return f"{v:.1f}x" if v else "-"
 
     for r in rows:
-        lines.append(f"| {r['label']} | {r['final_val_loss']:.4f} | {r['vs_first_pct']:+.2f}% | {r['syncs']} "
-                     f"| {x(r['fewer_syncs_x'])} | {r['collectives']} | {r['bytes'] / 1e6:.1f} "
-                     f"| {x(r['fewer_bytes_x'])} | {r['wall_s']:.0f} |")
+        cells = [r["label"], f"{r['final_val_loss']:.4f}", f"{r['vs_first_pct']:+.2f}%"]
+        if k1:
+            cells.append(f"{r['vs_k1_pct']:+.2f}%")
+        cells += [str(r["syncs"]), x(r["fewer_syncs_x"]), str(r["collectives"]), f"{r['bytes'] / 1e6:.1f}",
+                  x(r["fewer_bytes_x"]), f"{r['wall_s']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines), rows
 
 
@@ -186,6 +195,8 @@ def main(argv=None) -> None:
     p.add_argument("--run", action="append", default=[], metavar="NAME=ARGS",
                    help="also run train_charlm with these arguments, e.g. "
                         "'diloco-w128=--sync-every 64 --outer diloco --warmup-syncs 128' (repeatable)")
+    p.add_argument("--only", default=None, metavar="NAMES",
+                   help="run only these runs (comma-separated names; the first is the reference)")
     p.add_argument("--no-allreduce", action="store_true",
                    help="skip the gradient-allreduce run: model averaging every step is the baseline")
     p.add_argument("--resume", action="store_true", help="reuse the logs of runs already in --out")

@@ -6,7 +6,7 @@ split deterministically into train and validation blocks.
 
     python examples/train_charlm.py                       # 2 local CPU ranks over Gloo (it launches them)
     python examples/train_charlm.py --nproc 1             # one process
-    torchrun --nproc-per-node 4 examples/train_charlm.py  # any launcher: uses the launcher's ranks
+    torchrun --nproc-per-node 4 examples/train_charlm.py --log-json run.json  # any launcher's ranks
     python examples/train_charlm.py --outer diloco --sync-every 64 --log run.json
 
 The distributed part is the one-line wrap of AdamW in ``build_optimizer``; everything else is an
@@ -71,7 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches (split over ranks)")
     p.add_argument("--print-every", type=int, default=16, help="steps between progress lines")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log", default=None, help="write the loss curve and totals to this JSON file")
+    p.add_argument("--log", "--log-json", dest="log", default=None,
+                   help="write the loss curve and totals to this JSON file (under torchrun spell it "
+                        "--log-json: torchrun's own parser takes --log as ambiguous)")
     return p.parse_args(argv)
 
 
@@ -185,7 +187,7 @@ def build_optimizer(args, model: nn.Module):
 
 # ----------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def evaluate(model, val, args, rank, world, train_sum, train_n):
+def evaluate(model, val, args, rank, world, train_sum, train_n, dev):
     """Mean validation loss over fixed windows (split across ranks) and mean train loss since last time."""
     model.eval()
     gen = torch.Generator().manual_seed(1234)  # the same windows for every run and every step
@@ -193,10 +195,10 @@ def evaluate(model, val, args, rank, world, train_sum, train_n):
     for i in range(args.eval_batches):
         x, y = batch(val, args.batch_size, args.context, gen)
         if i % world == rank:
-            loss_sum += loss_fn(model, x, y).item()
+            loss_sum += loss_fn(model, x.to(dev), y.to(dev)).item()
             n += 1
     model.train()
-    totals = torch.tensor([loss_sum, n, train_sum, train_n], dtype=torch.float64)
+    totals = torch.tensor([loss_sum, n, train_sum, train_n], dtype=torch.float64, device=dev)
     if world > 1:  # metrics only: not part of the training's communication budget
         dist.all_reduce(totals)
     v_sum, v_n, t_sum, t_n = totals.tolist()
@@ -206,11 +208,11 @@ def evaluate(model, val, args, rank, world, train_sum, train_n):
 # ----------------------------------------------------------------------------- training
 def train(args) -> dict:
     flo.init()
-    rank, world = flo.rank(), flo.size()
+    rank, world, dev = flo.rank(), flo.size(), flo.device()
     torch.manual_seed(args.seed)  # the same initial model on every rank (rank 0's is broadcast anyway)
 
     train_data, val_data = split(stdlib_corpus(int(args.corpus_mb * 1e6)))
-    model = CharLM(256, args.d_model, args.heads, args.layers, args.context)
+    model = CharLM(256, args.d_model, args.heads, args.layers, args.context).to(dev)
     n_params = sum(p.numel() for p in model.parameters())
     opt, sched = build_optimizer(args, model)
     gen = torch.Generator().manual_seed(args.seed + rank)  # each rank samples its own batches
@@ -230,7 +232,7 @@ def train(args) -> dict:
 
     def record(step: int) -> dict:
         nonlocal train_sum, train_n
-        val_loss, train_loss = evaluate(model, val_data, args, rank, world, train_sum, train_n)
+        val_loss, train_loss = evaluate(model, val_data, args, rank, world, train_sum, train_n, dev)
         train_sum, train_n = 0.0, 0
         point = {"step": step, "train_loss": train_loss, "val_loss": val_loss, "syncs": syncs,
                  "collectives": collectives, "bytes": comm_bytes,
@@ -252,7 +254,7 @@ def train(args) -> dict:
     say(f"step {0:5d} | val {curve[-1]['val_loss']:.4f}")
     for step in range(1, args.steps + 1):
         x, y = batch(train_data, args.batch_size, args.context, gen)
-        loss = loss_fn(model, x, y)
+        loss = loss_fn(model, x.to(dev), y.to(dev))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if args.mode == "allreduce":  # Horovod's way: average the gradients, clip, step, schedule

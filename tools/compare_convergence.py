@@ -167,7 +167,7 @@ def plot(runs: List[Dict], results: List[Dict], path: str) -> Optional[str]:
     ax1.set_xlabel("step")
     ax2.set_xlabel("MB handed to collectives per rank (log)")
     ax2.set_xscale("log")
-    ax1.legend()
+    ax1.legend(fontsize="small")
     fig.suptitle(f"char LM on the Python stdlib: {cfg['world_size']} ranks, {cfg['params'] / 1e6:.2f}M params, "
                  f"batch {cfg['batch_size']}x{cfg['context']} per rank")
     fig.tight_layout()

@@ -12,6 +12,8 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
+from .errors import ConfigError
+
 # Dtypes reduced as they are; anything narrower is staged to float32 for the reduction
 # (PREMUL_SUM in bf16 returns zeros on some NCCL builds, and fp16 sums lose digits).
 WIDE_DTYPES = (torch.float32, torch.float64)
@@ -74,7 +76,7 @@ class FlatGroup:
         """
         for i, (t, ptr) in enumerate(zip(self.tensors, self._ptrs)):
             if t.data_ptr() != ptr or t.dtype != self.dtype or t.device != self.device:
-                raise RuntimeError(
+                raise ConfigError(
                     f"flodl_opt: {self.role} #{i} (shape {tuple(t.shape)}) was replaced or moved after "
                     f"the optimizer was wrapped (now {t.dtype} on {t.device}, was {self.dtype} on "
                     f"{self.device}). Move the model (.to/.cuda/.half) and load weights before "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import sys
 import time
@@ -59,7 +60,9 @@ def _rank_main(fn, rank, world_size, port, args, queue, init_timeout_s, env):
         import flodl_opt as flo
         flo.init(backend="gloo", timeout=init_timeout_s)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Pickled here: tensors put on a queue as-is travel as shared-memory handles that die
+        # with this process, and the parent would wait for a result it can never read.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - report anything, including SystemExit
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -98,7 +101,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0,
                 for r in dead:
                     failures[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
                 continue
-            (results if ok else failures)[rank] = payload
+            if ok:
+                results[rank] = pickle.loads(payload)
+            else:
+                failures[rank] = payload
     finally:
         for p in procs:
             p.join(timeout=2)

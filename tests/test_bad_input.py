@@ -225,13 +225,13 @@ ONE_PROCESS = [
     ("sparse embedding", sparse_embedding, flo.ConfigError, r"sparse=False"),
     ("add_param_group after wrapping", add_param_group_after_wrapping, flo.ConfigError,
      r"add the param group to the inner optimizer before wrapping"),
-    ("model moved to another dtype after wrapping", model_moved_to_other_dtype, RuntimeError,
+    ("model moved to another dtype after wrapping", model_moved_to_other_dtype, flo.ConfigError,
      r"moved after the optimizer was wrapped.*Move the model .* before building LocalSGDOptimizer"),
     ("model moved to another device after wrapping", model_moved_to_other_device, (RuntimeError, ValueError),
      r"(replaced|moved) after .*(Move the model|build the inner optimizer)"),
     ("param replaced after wrapping", param_replaced_after_wrapping, flo.ConfigError,
      r"'0\.weight' was replaced after LocalSGDOptimizer was built.*in place"),
-    ("param .data rebound after wrapping", param_data_rebound_after_wrapping, RuntimeError,
+    ("param .data rebound after wrapping", param_data_rebound_after_wrapping, flo.ConfigError,
      r"replaced or moved after the optimizer was wrapped.*param\.copy_"),
     ("load_state_dict from another model", load_state_dict_from_other_model, flo.ConfigError,
      r"different model.*build the same model"),
@@ -412,7 +412,7 @@ BREAKS_GROUP = [
       1: (None, None)}),
     ("model moved on one rank only", model_moved_on_one_rank,
      {0: ("SyncError", r"sync #1 failed on rank 0"),
-      1: ("RuntimeError", r"moved after the optimizer was wrapped.*Move the model")}),
+      1: ("ConfigError", r"moved after the optimizer was wrapped.*Move the model")}),
 ]
 
 

@@ -245,7 +245,7 @@ def train(args) -> dict:
         stats = getattr(opt, "last_sync", None)
         if stats is not None and stats is not last_seen:
             last_seen = stats
-            syncs += 1
+            syncs += 1 if world > 1 else 0  # a world of one syncs with nobody
             collectives += stats.collectives
             comm_bytes += stats.bytes
             divergence = stats.divergence

@@ -120,7 +120,7 @@ def table(runs: List[Dict], results: List[Dict]) -> (str, List[Dict]):
             "vs_first_pct": 100.0 * (f["val_loss"] - base["val_loss"]) / base["val_loss"],
             "vs_k1_pct": 100.0 * (f["val_loss"] - k1["val_loss"]) / k1["val_loss"] if k1 else None,
             "syncs": f["syncs"], "collectives": f["collectives"], "bytes": f["bytes"],
-            "fewer_syncs_x": (base["syncs"] / f["syncs"]) if f["syncs"] else None,
+            "fewer_syncs_x": (base["syncs"] / f["syncs"]) if f["syncs"] and f["bytes"] else None,
             "fewer_bytes_x": (base["bytes"] / f["bytes"]) if f["bytes"] else None,
             "wall_s": f["wall_s"],
         })
@@ -133,6 +133,8 @@ def table(runs: List[Dict], results: List[Dict]) -> (str, List[Dict]):
 
     for r in rows:
         cells = [r["label"], f"{r['final_val_loss']:.4f}", f"{r['vs_first_pct']:+.2f}%"]
+        if not r["bytes"]:  # one rank: nothing communicated
+            r["syncs"] = 0
         if k1:
             cells.append(f"{r['vs_k1_pct']:+.2f}%")
         cells += [str(r["syncs"]), x(r["fewer_syncs_x"]), str(r["collectives"]), f"{r['bytes'] / 1e6:.1f}",

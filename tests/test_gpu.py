@@ -351,14 +351,14 @@ class _RankNet(nn.Module):
         self.body = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Linear(64, 8))
         self.bf = nn.Parameter(torch.randn(3000).to(torch.bfloat16))
         self.hf = nn.Parameter(torch.randn(1500).to(torch.float16))
-        self.big = nn.Parameter(torch.randn(3 << 20))  # > 8 MiB: the Gloo path reduces in chunks
+        self.big = nn.Parameter(torch.randn(3 << 20))  # 12 MiB: reduced in 4 MiB chunks on Gloo
 
 
 def rank_gloo_cuda_weighted(rank, world, steps, gamma):
     dev = torch.device("cuda", 0)
     model = _RankNet().to(dev)
     opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model,
-                                sync_every=10 ** 6, gamma=gamma)
+                                sync_every=10 ** 6, gamma=gamma, gloo_chunk_bytes=4 << 20)
     assert flo.backend() == "gloo" and model.big.is_cuda
     g = torch.Generator().manual_seed(100 + rank)
     with torch.no_grad():  # rank-specific weights and BatchNorm stats, written in place
@@ -397,7 +397,7 @@ def test_gloo_cuda_ranks_on_one_gpu_match_float64(world, steps, gamma):
     out = run_ranks(rank_gloo_cuda_weighted, world, steps, gamma, timeout=180, collective_timeout=60)
     mass = [0.0 if n == 0 else float(n) ** gamma for n in steps]
     assert [o["weight"] for o in out] == pytest.approx([m / sum(mass) for m in mass], rel=1e-12)
-    assert all(o["collectives"] >= 1 + 4 for o in out)  # the count, then each of the 4 buffers
+    assert all(o["collectives"] > 1 + 4 for o in out)  # the count, 4 buffers, the big one in chunks
 
 
 def rank_gloo_cuda_stress(rank, world, steps, sync_every, numel):

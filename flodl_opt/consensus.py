@@ -280,7 +280,10 @@ class Consensus:
                 post_norms.append(_sq(c))
                 if s is not None:
                     t = self._tmp(g.reduce_dtype, e - b, g.device)
-                    t.copy_(s[b:e]).sub_(c)
+                    if g.wide:
+                        torch.sub(s[b:e], c, out=t)  # one op instead of copy + sub
+                    else:
+                        t.copy_(s[b:e]).sub_(c)  # narrow: difference in float32
                     diff_norms.append(_sq(t))
 
     def _reduce_pipelined(self, stats: SyncStats, totals: "Totals", steps: int, nonfinite: bool,
@@ -347,7 +350,7 @@ class Consensus:
     # ------------------------------------------------------------------ the sync
     def run(self, steps: int, sync_number: int, active: bool = True) -> SyncStats:
         """count -> reduce -> readout. Raises SyncError (params restored) if a collective fails."""
-        if self.distributed and self.backend == "nccl":
+        if self.backend == "nccl":  # GPUs, a world of one included: the snapshot path, unchanged
             return self._run_nccl(steps, sync_number, active)
         return self._run_pipelined(steps, sync_number, active)
 

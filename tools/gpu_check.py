@@ -336,6 +336,52 @@ def figures(out: Optional[str], timeout: float) -> dict:
     return _run("figures", cmd, timeout)
 
 
+def _align_probe_child() -> None:
+    """Optimizer step time on separate params vs views into one flat buffer, unaligned or 16-B aligned."""
+    import statistics
+    import torch
+    import _bench_common as bc
+    dev = torch.device("cuda", 0)
+    for total in (2_000_000, 50_000_000):
+        sizes = bc.model_like_sizes(total, 40, seed=7)
+        for name, make in (("AdamW foreach", lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True)),
+                           ("AdamW fused", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)),
+                           ("SGD foreach", lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, foreach=True))):
+            res = {}
+            for layout in ("separate", "flat unaligned", "flat 16B-aligned"):
+                align = 4 if layout == "flat 16B-aligned" else 1
+                offs, n = [], 0
+                for k in sizes:
+                    n = (n + align - 1) // align * align
+                    offs.append(n)
+                    n += k
+                flat = torch.zeros(n, device=dev)
+                params = []
+                for k, o in zip(sizes, offs):
+                    t = torch.nn.Parameter(torch.randn(k, device=dev))
+                    if layout != "separate":
+                        flat[o:o + k].copy_(t.data)
+                        t.data = flat[o:o + k]
+                    t.grad = torch.randn(k, device=dev) * 0.01
+                    params.append(t)
+                opt = make(params)
+                for _ in range(5):
+                    opt.step()
+                times = []
+                for _ in range(9):
+                    torch.cuda.synchronize(dev)
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        opt.step()
+                    torch.cuda.synchronize(dev)
+                    times.append((time.perf_counter() - t0) / 20 * 1e3)
+                res[layout] = statistics.median(times)
+                del opt, params, flat
+            print(f"align {total / 1e6:4.0f}M {name:14s} separate {res['separate']:.3f} ms | flat unaligned "
+                  f"{res['flat unaligned']:.3f} ms (x{res['flat unaligned'] / res['separate']:.3f}) | flat 16B-aligned "
+                  f"{res['flat 16B-aligned']:.3f} ms (x{res['flat 16B-aligned'] / res['separate']:.3f})", flush=True)
+
+
 def order_probe(timeout: float = 180.0) -> dict:
     import socket
     with socket.socket() as s:
@@ -354,9 +400,12 @@ def main(argv=None) -> int:
     ap.add_argument("--suite-timeout", type=float, default=300, help="seconds for --suite")
     ap.add_argument("--suite-workers", type=int, default=4, help="pytest-xdist workers for --suite")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json")
+    ap.add_argument("--no-tests", action="store_true", help="only the probes asked for")
     ap.add_argument("--probe", action="store_true", help="stream-order probe of a world-of-one PREMUL_SUM")
     ap.add_argument("--_nccl-child", nargs=2, type=int, help=argparse.SUPPRESS, dest="nccl_child")
     ap.add_argument("--_probe-child", type=int, help=argparse.SUPPRESS, dest="probe_child")
+    ap.add_argument("--align", action="store_true", help="optimizer step on flat views: aligned or not")
+    ap.add_argument("--_align-child", action="store_true", help=argparse.SUPPRESS, dest="align_child")
     ap.add_argument("--figures", action="store_true", help="step overhead and sync cost at a world of one")
     ap.add_argument("--_figures-child", type=int, help=argparse.SUPPRESS, dest="figures_child")
     args = ap.parse_args(argv)
@@ -365,6 +414,10 @@ def main(argv=None) -> int:
         return 0
     if args.probe_child:
         _order_probe_child(args.probe_child)
+        return 0
+    if args.align_child:
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        _align_probe_child()
         return 0
     if args.figures_child:
         _figures_child(args.figures_child, args.out)
@@ -376,6 +429,12 @@ def main(argv=None) -> int:
     py = sys.executable
     if args.probe:
         steps.append(order_probe())
+    if args.align:
+        steps.append(_run("align-probe", [py, __file__, "--_align-child"], args.timeout))
+    if args.no_tests:
+        report["steps"] = steps
+        print("\n".join(line for s in steps for line in s.get("tail", [])[-12:]))
+        return 0
     res = _run("gpu-tests", [py, "-m", "pytest", "-v", "-s", "-rA", "-p", "no:cacheprovider",
                              "tests/test_gpu.py"], args.timeout)
     res["summary"] = _pytest_summary(res)

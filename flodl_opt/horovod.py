@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from . import launch
 from .errors import ConfigError
-from .flat import unique
+from .flat import aligned_offsets, unique
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
@@ -436,14 +436,13 @@ class _GradBuffer:
                  wire_dtype: Optional[torch.dtype]):
         self.params, self.names = params, names
         self.dtype, self.device = params[0].dtype, params[0].device
-        self.numel = sum(p.numel() for p in params)
+        # Aligned like the params' flat buffers (the optimizer's fused kernels read these grads);
+        # the zero gaps ride the collective and stay zero.
+        offsets, self.numel = aligned_offsets([p.numel() for p in params], params[0].element_size())
         self.count_slot = count_slot
         self.flat = torch.zeros(self.numel + int(count_slot), dtype=self.dtype, device=self.device)
-        self.views: List[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
+        self.views: List[torch.Tensor] = [self.flat[o:o + p.numel()].view(p.shape)
+                                          for p, o in zip(params, offsets)]
         self._view_ptrs = [v.data_ptr() for v in self.views]
         self.wire = self.flat if wire_dtype in (None, self.dtype) else torch.empty(
             self.flat.numel(), dtype=wire_dtype, device=self.device)

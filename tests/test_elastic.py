@@ -56,7 +56,7 @@ def test_torchrun_sigkill_mid_run_resumes_exactly(tmp_path, uninterrupted):
     kill_step, kill_rank = rng.randrange(K + 1, STEPS - 1), rng.randrange(2)
     ckpt, out, logs = tmp_path / "last.pt", tmp_path / "final.pt", tmp_path / "log"
     env = dict(os.environ, FLODL_KILL_AT_STEP=str(kill_step), FLODL_KILL_RANK=str(kill_rank),
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2",
            EXAMPLE, "--ckpt", str(ckpt), "--out", str(out), "--log-dir", str(logs),

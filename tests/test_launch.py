@@ -67,7 +67,9 @@ def test_world_of_one_has_no_process_group_and_is_idempotent():
     flo.init()
     flo.init()
     assert (flo.rank(), flo.size(), flo.local_rank(), flo.local_size()) == (0, 1, 0, 1)
-    assert str(flo.device()) == "cpu" and flo.backend() == "gloo"
+    import torch
+    want = ("nccl", "cuda:0") if torch.cuda.is_available() else ("gloo", "cpu")
+    assert (flo.backend(), str(flo.device())) == want
     assert not dist.is_initialized()
 
 
@@ -81,6 +83,7 @@ def test_cpu_threads_are_shared_among_local_ranks():
             "cores = min(psutil.cpu_count(logical=False) or 1, len(os.sched_getaffinity(0))); "
             "print(torch.get_num_threads(), max(1, cores // 2))")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks are the ones whose threads are shared
     # a world of one that says it has 2 local ranks: discover() reads LOCAL_WORLD_SIZE, size stays 1
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)

@@ -379,3 +379,25 @@ def test_torch_distributed_checkpoint_keeps_our_state(tmp_path):
     _train_local(model, opt, 2, 4)
     _train_local(model2, opt2, 2, 4)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def test_step_hooks_and_a_scheduler_on_the_wrapper_still_work():
+    from torch.optim import optimizer as torch_optimizer
+    flo.init()
+    model = _model()
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, sync_every=2)
+    calls = []
+    h1 = opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o is opt)))
+    h2 = opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o is opt)))
+    h3 = torch_optimizer.register_optimizer_step_post_hook(
+        lambda o, args, kwargs: calls.append(("global", type(o).__name__)))
+    _train_local(model, opt, 0, 1)
+    h1.remove(), h2.remove(), h3.remove()
+    # the global hook also fires for the inner SGD step, before the wrapper's post hooks
+    assert calls == [("pre", True), ("global", "SGD"), ("post", True), ("global", "LocalSGDOptimizer")]
+    _train_local(model, opt, 0, 1)
+    assert len(calls) == 4  # removed hooks stay removed
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # built on the wrapper
+    _train_local(model, opt, 0, 1)
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05) and opt.local_steps == 3

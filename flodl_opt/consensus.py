@@ -20,11 +20,12 @@ The sequence is the same on every rank, so nobody waits on a collective that a p
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Sequence
+from dataclasses import asdict, dataclass
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -382,6 +383,20 @@ class Consensus:
                       "learning rate or set max_grad_norm if this repeats.",
                       NonFiniteWarning, stacklevel=4)
 
+    @contextlib.contextmanager
+    def _restore_on_failure(self, sync_number: int) -> Iterator[None]:
+        """Around the collectives: a failure restores the pre-sync tensors, then says so."""
+        try:
+            yield
+        except (ConfigError, FloatingPointError):
+            raise  # decided from the shared totals on every rank alike; params untouched/restored
+        except Exception as exc:  # a failed collective: put the pre-sync weights back, then say so
+            restored = self.restore()
+            raise SyncError(self.rank, sync_number, exc, restored) from exc
+        except BaseException:  # KeyboardInterrupt mid-reduce: leave nothing half-averaged either
+            self.restore()
+            raise
+
     def _run_pipelined(self, steps: int, sync_number: int, active: bool) -> SyncStats:
         """Gloo and a world of one: pre-sync copy, pre-norm and scale fused into the chunk pipeline.
 
@@ -400,7 +415,7 @@ class Consensus:
             pre_sq = self._pre_norm_sq()
             nonfinite = self.nonfinite_guard and pre_sq is not None and not math.isfinite(pre_sq)
         count_bytes = self._count.numel() * self._count.element_size()
-        try:
+        with self._restore_on_failure(sync_number):
             totals = self._count_checked(steps, active, nonfinite, sync_number)
             self._apply_totals(stats, totals, nonfinite)
             stats.collectives = 1 if self.distributed else 0
@@ -439,14 +454,6 @@ class Consensus:
                         self._reduce_pipelined(stats, totals, steps, nonfinite, True, None, post, diff)
                     else:  # finite everywhere, the sum itself overflowed: as the NCCL path would
                         nonfinite = False
-        except (ConfigError, FloatingPointError):
-            raise  # decided from the shared totals on every rank alike; params untouched/restored
-        except Exception as exc:  # a failed collective: put the pre-sync weights back, then say so
-            restored = self.restore()
-            raise SyncError(self.rank, sync_number, exc, restored) from exc
-        except BaseException:  # KeyboardInterrupt mid-reduce: leave nothing half-averaged either
-            self.restore()
-            raise
         if nonfinite:
             self._warn_nonfinite(sync_number)
         self._set_readout(stats, None if nonfinite else pre_sq, None if post is None else _total(post),
@@ -462,20 +469,14 @@ class Consensus:
         nonfinite = self.nonfinite_guard and pre_sq is not None and not math.isfinite(pre_sq)
         if self.keep_presync:
             self.presync_copy()
-        try:
+        with self._restore_on_failure(sync_number):
             totals = self._count_checked(steps, active, nonfinite, sync_number)
-            stats.total_mass, stats.movers, stats.active = totals.mass, int(totals.movers), int(totals.active)
-            stats.cohort_steps = int(totals.steps)
-            stats.nonfinite = nonfinite
-            stats.nonfinite_ranks = int(totals.nonfinite)
-            stats.collectives = 1 if self.distributed else 0
-            stats.bytes = self._count.numel() * self._count.element_size() if self.distributed else 0
+            self._apply_totals(stats, totals, nonfinite)
+            stats.collectives = 1
+            stats.bytes = self._count.numel() * self._count.element_size()
             if totals.mass <= 0.0:
                 if totals.nonfinite > 0:
-                    raise NonFiniteError(
-                        f"every rank that moved has non-finite params ({int(totals.nonfinite)} of "
-                        f"{self.world_size}); refusing to average garbage. Lower the learning rate, "
-                        "enable max_grad_norm, or resume from the last checkpoint.")
+                    raise self._all_nonfinite(totals)
                 stats.skipped = True
                 stats.ms = (time.perf_counter() - t0) * 1e3
                 return stats
@@ -486,21 +487,9 @@ class Consensus:
                 if self.buffers:
                     mover = 0.0 if (nonfinite or steps <= 0) else 1.0
                     stats.collectives += self.reduce(self.buffers, mover / totals.movers)
-            if self.distributed:
-                stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in self.params + self.buffers)
-        except (ConfigError, FloatingPointError):
-            raise  # decided from the shared totals, before any tensor changed, on every rank alike
-        except Exception as exc:  # a failed collective: put the pre-sync weights back, then say so
-            restored = self.restore()
-            raise SyncError(self.rank, sync_number, exc, restored) from exc
-        except BaseException:  # KeyboardInterrupt mid-reduce: leave nothing half-averaged either
-            self.restore()
-            raise
+            stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in self.params + self.buffers)
         if nonfinite:
-            warnings.warn(f"flodl_opt: rank {self.rank}'s params were NaN/Inf at sync #{sync_number}: "
-                          "it got no vote and adopted the consensus of the other ranks. Lower the "
-                          "learning rate or set max_grad_norm if this repeats.",
-                          NonFiniteWarning, stacklevel=3)
+            self._warn_nonfinite(sync_number)
         self.readout(stats, None if nonfinite else pre_sq)
         stats.ms = (time.perf_counter() - t0) * 1e3
         return stats

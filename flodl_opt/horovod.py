@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import launch
+from .wrapping import WrappedOptimizer
 from .errors import ConfigError
 from .flat import aligned_offsets, unique
 
@@ -485,7 +486,7 @@ class _GradBuffer:
                 p.grad = view
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(WrappedOptimizer):
     """Synchronous data parallelism with Horovod's semantics, around any torch optimizer.
 
     Before every inner step the gradients are summed over ranks and (``op=Average``) divided by
@@ -549,17 +550,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError("gradient_predivide_factor only applies to op=flodl_opt.Average")
         launch.ensure_init()
 
-        # Share the inner optimizer (Optimizer.__init__ is deliberately not called: it would
-        # rebuild param_groups and state).
-        self.optimizer = optimizer
-        self.defaults = optimizer.defaults
-        self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
-        self._optimizer_step_post_hooks: Dict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
-        self._patch_step_function()
+        # Share the inner optimizer's param_groups and state (flodl_opt/wrapping.py).
+        self._share(optimizer)
 
         self.op, self.compression = op, compression
         self.backward_passes_per_step = backward_passes_per_step
@@ -586,22 +578,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._hooks.append(p.register_post_accumulate_grad_hook(_PassCounter(self._passes, i)))
 
     # ------------------------------------------------------------ Optimizer surface
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):  # type: ignore[override]
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value) -> None:
-        self.optimizer.state = value
-
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise ConfigError("DistributedOptimizer's fused gradient buffers are fixed when it is built; "
                           "add the param group to the inner optimizer before wrapping it")

@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import warnings
 import weakref
-from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -33,6 +32,7 @@ from torch import nn
 
 from . import ddp, launch
 from .consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
+from .wrapping import WrappedOptimizer
 from .errors import ConfigError, NonFiniteWarning
 from .flat import FlatGroup, pack, signature, unique
 from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
@@ -50,7 +50,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-class LocalSGDOptimizer(torch.optim.Optimizer):
+class LocalSGDOptimizer(WrappedOptimizer):
     """Local SGD around any torch optimizer, with a work-weighted consensus every ``sync_every`` steps.
 
     Args:
@@ -83,17 +83,8 @@ class LocalSGDOptimizer(torch.optim.Optimizer):
                  stall_warning_s: Optional[float] = DEFAULT_STALL_WARNING_S):
         _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma)
         launch.ensure_init()
-        # Share the inner optimizer's attributes; Optimizer.__init__ is deliberately not called
-        # (it would rebuild param_groups and state).
-        self.optimizer = optimizer
-        self.defaults = optimizer.defaults
-        self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
-        self._optimizer_step_post_hooks: Dict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
-        self._patch_step_function()
+        # Share the inner optimizer's param_groups and state (flodl_opt/wrapping.py).
+        self._share(optimizer)
 
         self.model = model
         self.sync_every, self.warmup_steps = int(sync_every), int(warmup_steps)
@@ -155,28 +146,9 @@ class LocalSGDOptimizer(torch.optim.Optimizer):
         self._ddp = ddp.attach(model, self, self.warmup_steps, process_group) if group_size > 1 else None
 
     # ------------------------------------------------------------ Optimizer surface
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):  # type: ignore[override]
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value) -> None:
-        self.optimizer.state = value
-
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise ConfigError("flodl_opt: the synced tensors are fixed when LocalSGDOptimizer is built; "
                           "add the param group to the inner optimizer before wrapping it")
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __repr__(self) -> str:
         return (f"LocalSGDOptimizer({type(self.optimizer).__name__}, sync_every={self.sync_every}, "

@@ -1,0 +1,50 @@
+"""The part every flodl_opt optimizer shares: being a torch Optimizer around a built one.
+
+``Optimizer.__init__`` is deliberately not called (it would rebuild ``param_groups`` and state, the
+way Horovod's dynamic subclasses re-run user optimizers' constructors). The wrapper shares the inner
+optimizer's ``param_groups`` and ``state`` instead, so schedulers, ``GradScaler``, step hooks and
+``isinstance(opt, torch.optim.Optimizer)`` all keep working.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, List
+
+import torch
+
+
+class WrappedOptimizer(torch.optim.Optimizer):
+    """Base of LocalSGDOptimizer and DistributedOptimizer. Subclasses call ``_share(optimizer)``."""
+
+    optimizer: torch.optim.Optimizer
+
+    def _share(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        # the inner optimizer's load_state_dict replaces the list: keep reading through to it
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)

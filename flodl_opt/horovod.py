@@ -22,7 +22,6 @@ parameter. Swapping it for ``LocalSGDOptimizer`` is the one-argument change to l
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import launch
-from .wrapping import WrappedOptimizer
+from .wrapping import WrappedOptimizer, check_same_on_every_rank
 from .errors import ConfigError
 from .flat import aligned_offsets, unique
 
@@ -758,17 +757,11 @@ class DistributedOptimizer(WrappedOptimizer):
         desc = [(str(b.dtype), str(b.wire.dtype), b.count_slot, [tuple(p.shape) for p in b.params])
                 for b in self._buffers]
         desc.append((self.op.name, self.compression.name, self.gradient_predivide_factor))
-        digest = hashlib.sha1(repr(desc).encode()).hexdigest()
         summary = [(d[0], len(d[3]), sum(_numel(s) for s in d[3])) for d in desc[:-1]] + [desc[-1]]
-        gathered: List[Any] = [None] * self._size
-        dist.all_gather_object(gathered, (digest, summary), group=self.process_group)
-        bad = [r for r, (d, _) in enumerate(gathered) if d != gathered[0][0]]
-        if bad:
-            lines = "\n".join(f"  rank {r}: {s}" for r, (_, s) in enumerate(gathered))
-            raise ConfigError(
-                f"DistributedOptimizer: ranks wrap different models or options (ranks {bad} differ "
-                f"from rank 0; (dtype, tensors, elements) per buffer, then op/compression):\n{lines}\n"
-                "Build the same model, optimizer and DistributedOptimizer arguments on every rank.")
+        check_same_on_every_rank(desc, summary, self.process_group,
+                                 "DistributedOptimizer: ranks wrap different models or options",
+                                 "(dtype, tensors, elements) per buffer, then op/compression",
+                                 "DistributedOptimizer")
 
 
 class _PassCounter:

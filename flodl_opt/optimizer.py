@@ -21,7 +21,6 @@ Example (``torchrun --nproc-per-node 2 train.py``, or ``python train.py`` for on
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -32,7 +31,7 @@ from torch import nn
 
 from . import ddp, launch
 from .consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
-from .wrapping import WrappedOptimizer
+from .wrapping import WrappedOptimizer, check_same_on_every_rank
 from .errors import ConfigError, NonFiniteWarning
 from .flat import FlatGroup, pack, signature, unique
 from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
@@ -389,18 +388,11 @@ class LocalSGDOptimizer(WrappedOptimizer):
         """Every rank must wrap the same tensors with the same config, or the collectives misalign."""
         cfg = self.config()
         desc = {"flat": cfg["flat"], **{k: cfg[k] for k in _STRICT_CONFIG}}
-        digest = hashlib.sha1(repr(desc).encode()).hexdigest()
         summary = {"groups": [(r, d, len(s), sum(_numel(x) for x in s)) for r, d, s in cfg["flat"]],
                    **{k: cfg[k] for k in _STRICT_CONFIG}}
-        gathered: List[Any] = [None] * dist.get_world_size(self.process_group)
-        dist.all_gather_object(gathered, (digest, summary), group=self.process_group)
-        bad = [r for r, (d, _) in enumerate(gathered) if d != gathered[0][0]]
-        if bad:
-            lines = "\n".join(f"  rank {r}: {s}" for r, (_, s) in enumerate(gathered))
-            raise ConfigError(
-                f"flodl_opt: ranks wrap different models or configs (ranks {bad} differ from rank 0; "
-                f"groups are (role, dtype, tensors, elements)):\n{lines}\n"
-                "Build the same model, optimizer and LocalSGDOptimizer arguments on every rank.")
+        check_same_on_every_rank(desc, summary, self.process_group,
+                                 "flodl_opt: ranks wrap different models or configs",
+                                 "groups are (role, dtype, tensors, elements)", "LocalSGDOptimizer")
 
     def _broadcast_from_root(self, inner_model: Optional[nn.Module]) -> None:
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0

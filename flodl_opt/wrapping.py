@@ -7,10 +7,14 @@ optimizer's ``param_groups`` and ``state`` instead, so schedulers, ``GradScaler`
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -48,3 +52,20 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def check_same_on_every_rank(desc: Any, summary: Any, group: Optional[dist.ProcessGroup],
+                             what: str, legend: str, build: str) -> None:
+    """All ranks must wrap the same tensors with the same options, or the collectives misalign.
+
+    One all_gather of a digest of ``desc`` (plus a readable ``summary``); every rank raises the same
+    ``ConfigError`` listing each rank's summary, so a mismatch never turns into a hang.
+    """
+    digest = hashlib.sha1(repr(desc).encode()).hexdigest()
+    gathered: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (digest, summary), group=group)
+    bad = [r for r, (d, _) in enumerate(gathered) if d != gathered[0][0]]
+    if bad:
+        lines = "\n".join(f"  rank {r}: {s}" for r, (_, s) in enumerate(gathered))
+        raise ConfigError(f"{what} (ranks {bad} differ from rank 0; {legend}):\n{lines}\n"
+                          f"Build the same model, optimizer and {build} arguments on every rank.")

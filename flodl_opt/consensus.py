@@ -365,6 +365,25 @@ class Consensus:
                 "every rank (flo.load_checkpoint does), or call opt.load_state_dict on all of them.")
         return totals
 
+    def _count_or_skip(self, stats: SyncStats, steps: int, active: bool, nonfinite: bool,
+                       sync_number: int, t0: float) -> Optional[Totals]:
+        """Step 1 of a sync: the totals, or None when the whole cohort is idle (nothing to reduce).
+
+        Every rank sees the same totals, so every rank skips, or raises, alike.
+        """
+        totals = self._count_checked(steps, active, nonfinite, sync_number)
+        self._apply_totals(stats, totals, nonfinite)
+        if self.distributed:
+            stats.collectives = 1
+            stats.bytes = self._count.numel() * self._count.element_size()
+        if totals.mass > 0.0:
+            return totals
+        if totals.nonfinite > 0:
+            raise self._all_nonfinite(totals)
+        stats.skipped = True
+        stats.ms = (time.perf_counter() - t0) * 1e3
+        return None
+
     def _apply_totals(self, stats: SyncStats, totals: Totals, nonfinite: bool) -> None:
         stats.total_mass, stats.movers, stats.active = totals.mass, int(totals.movers), int(totals.active)
         stats.cohort_steps = int(totals.steps)
@@ -416,15 +435,8 @@ class Consensus:
             nonfinite = self.nonfinite_guard and pre_sq is not None and not math.isfinite(pre_sq)
         count_bytes = self._count.numel() * self._count.element_size()
         with self._restore_on_failure(sync_number):
-            totals = self._count_checked(steps, active, nonfinite, sync_number)
-            self._apply_totals(stats, totals, nonfinite)
-            stats.collectives = 1 if self.distributed else 0
-            stats.bytes = count_bytes if self.distributed else 0
-            if totals.mass <= 0.0:
-                if totals.nonfinite > 0:
-                    raise self._all_nonfinite(totals)
-                stats.skipped = True
-                stats.ms = (time.perf_counter() - t0) * 1e3
+            totals = self._count_or_skip(stats, steps, active, nonfinite, sync_number, t0)
+            if totals is None:
                 return stats
             if not self.distributed:  # the params already are the consensus
                 stats.weight = 1.0
@@ -470,15 +482,8 @@ class Consensus:
         if self.keep_presync:
             self.presync_copy()
         with self._restore_on_failure(sync_number):
-            totals = self._count_checked(steps, active, nonfinite, sync_number)
-            self._apply_totals(stats, totals, nonfinite)
-            stats.collectives = 1
-            stats.bytes = self._count.numel() * self._count.element_size()
-            if totals.mass <= 0.0:
-                if totals.nonfinite > 0:
-                    raise self._all_nonfinite(totals)
-                stats.skipped = True
-                stats.ms = (time.perf_counter() - t0) * 1e3
+            totals = self._count_or_skip(stats, steps, active, nonfinite, sync_number, t0)
+            if totals is None:
                 return stats
             mass = 0.0 if nonfinite else gamma_mass(steps, self.gamma)
             stats.weight = mass / totals.mass

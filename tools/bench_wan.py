@@ -424,9 +424,10 @@ def run_method(topo: Topology, args, rate: str, method: str, target: Optional[fl
     procs = []
     for i in range(topo.ranks):
         e = dict(env, RANK=str(i), LOCAL_RANK="0")
-        procs.append(topo.spawn(i, [sys.executable, os.path.abspath(__file__), "--_worker", out + ".cfg.json"],
-                                env=e, stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
-                                stderr=open(out + f".rank{i}.err", "w"), text=True))
+        with open(out + f".rank{i}.err", "w") as err:
+            procs.append(topo.spawn(i, [sys.executable, os.path.abspath(__file__), "--_worker",
+                                        out + ".cfg.json"], env=e, stderr=err, text=True,
+                                    stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL))
 
     def pump():  # rank 0's progress lines, as they come
         for line in procs[0].stdout:
@@ -527,7 +528,7 @@ def plot(results: Dict[str, Dict[str, Any]], path: str) -> None:
         ax.legend(fontsize=7.5, loc="upper right")
     fig.suptitle("Time to loss on a rate-limited link (tc tbf), char-LM, "
                  f"{next(iter(next(iter(results.values())).values())).get('ranks', 2)} ranks", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -575,7 +576,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cap-steps", type=float, default=3.0, help="non-anchor methods stop at this x --steps")
     p.add_argument("--cap-wall", type=float, default=1.5, help="... or at this x DDP's wall time")
     p.add_argument("--eval-every", type=int, default=32, help="rounded up to a multiple of the sync period")
-    p.add_argument("--eval-batches", type=int, default=16, help="fixed validation windows of 16 sequences")
+    p.add_argument("--eval-batches", type=int, default=8, help="fixed validation windows of 16 sequences")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)

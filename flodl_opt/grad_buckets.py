@@ -60,12 +60,14 @@ class Bucket:
             self.wire[:n].mul_(predivide)
         self.work = dist.all_reduce(self.wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
-    def wait(self) -> None:
+    def wait(self, scale: Optional[torch.Tensor]) -> None:
         self.work.wait()
         self.work = None
+        n = self.grad_hi - self.lo
         if self.wire is not self.flat:
-            n = self.grad_hi - self.lo
             self.flat[:n].copy_(self.wire[:n])
+        if scale is not None:
+            self.flat[:n].mul_(scale)
 
 
 class GradBuffer:
@@ -222,23 +224,26 @@ class BucketReducer:
     def too_many(self) -> bool:
         return max(self.passes, default=0) > self.passes_per_step
 
-    def finish(self, count_value: float, sparse_as_dense: bool, gather: bool = True) -> None:
+    def finish(self, count_value: float, sparse_as_dense: bool, scale: Optional[float] = None) -> None:
         """Start every bucket not started yet (missing grads as zeros), then wait for all of them.
 
         ``count_value`` is written into the count slot before its bucket starts. On return every
-        ``p.grad`` is a view of its buffer holding the SUM over ranks (not yet scaled).
+        ``p.grad`` is a view of its buffer holding the SUM over ranks, times ``scale`` if given
+        (each bucket scaled as soon as its own collective is done, while later ones still run).
         """
         try:
             for buf in self.buffers:
                 if buf.count_slot:
                     buf.flat[-1].fill_(count_value)
             for b in self.order[self.next:]:
-                if gather:
-                    b.buffer.gather(b.members, sparse_as_dense)
+                b.buffer.gather(b.members, sparse_as_dense)
                 b.launch(self.predivide, self.group)
             self.next = len(self.order)
+            scales = {}
+            if scale is not None:  # 0-dim in the grads' dtype: the same rounding as one final multiply
+                scales = {buf: torch.tensor(scale, dtype=torch.float64).to(buf.dtype) for buf in self.buffers}
             for b in self.order:
-                b.wait()
+                b.wait(scales.get(b.buffer))
         finally:
             self.reset()
 

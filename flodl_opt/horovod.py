@@ -682,13 +682,29 @@ class DistributedOptimizer(WrappedOptimizer):
     def _reduce(self, contribute: bool, too_many: bool) -> torch.Tensor:
         """Finish the round's SUMs, then scale; returns the contributor count (a 0-dim tensor)."""
         # 1 = contributing, 0 = joined, a large negative = too many backward passes (all raise).
-        self._reducer.finish(-2.0 * self._size if too_many else (1.0 if contribute else 0.0),
-                             self.sparse_as_dense)
-        count = self._count_buffer.wire[-1]
-        if self.op is Average:
-            scale = self.gradient_predivide_factor / count.double().clamp(min=1.0)
-            for b in self._buffers:
-                b.grads.mul_(scale.to(b.dtype))
+        value = -2.0 * self._size if too_many else (1.0 if contribute else 0.0)
+        cb = self._count_buffer
+        if self.op is not Average:
+            self._reducer.finish(value, self.sparse_as_dense)
+            return cb.wire[-1]
+        f = self.gradient_predivide_factor
+        if cb.device.type == "cpu":
+            # Scale each bucket by f/n as soon as it arrives (hidden behind the later buckets'
+            # collectives); in the rare round where not every rank contributed (join), correct by
+            # n/count once the count is known. The count is read on the host for free on CPU.
+            self._reducer.finish(value, self.sparse_as_dense, scale=f / self._size)
+            count = cb.wire[-1]
+            n = float(count)
+            if n != self._size and n > 0:
+                for b in self._buffers:
+                    b.grads.mul_(torch.tensor(self._size / n, dtype=torch.float64).to(b.dtype))
+            return count
+        # CUDA: the count stays on the device (no host sync); one scale after all the collectives.
+        self._reducer.finish(value, self.sparse_as_dense)
+        count = cb.wire[-1]
+        scale = f / count.double().clamp(min=1.0)
+        for b in self._buffers:
+            b.grads.mul_(scale.to(b.dtype))
         return count
 
     def _check_passes(self, count: torch.Tensor, too_many: bool) -> None:

@@ -93,20 +93,27 @@ def worker(rank: int, world: int, cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
 
         def block(name, steps) -> float:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 step(name)
             t = torch.tensor([(time.perf_counter() - t0) / steps * 1e3])
+            # CPU time of every thread of this rank (Gloo's included): the work a step costs,
+            # which other jobs on a shared machine disturb far less than the wall time.
+            c = torch.tensor([(time.process_time() - c0) / steps * 1e3])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's step
+            dist.all_reduce(c, op=dist.ReduceOp.SUM)
+            cpu[name].append(float(c) / world)
             return float(t)
 
         for n in names:
             for _ in range(cfg["warmup"]):
                 step(n)
         # Steps per block from DDP's warm step time (rank 0's choice, so every rank runs the same).
+        cpu: Dict[str, List[float]] = {n: [] for n in names}
         probe = block("ddp", 1)
         steps = flo.broadcast_object(max(1, min(200, round(cfg["block_s"] * 1e3 / probe))), 0)
         ms: Dict[str, List[float]] = {n: [] for n in names}
+        cpu: Dict[str, List[float]] = {n: [] for n in names}
         for rep in range(cfg["reps"]):
             k = rep % len(names)
             for n in names[k:] + names[:k]:  # rotate who goes first
@@ -121,9 +128,13 @@ def worker(rank: int, world: int, cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
                                "steps/block": steps}
         for n in names:
             row[f"{n} ms"] = bc.median(ms[n])
+            row[f"{n} cpu ms"] = bc.median(cpu[n][-cfg["reps"]:])
             if n != "ddp":
                 row[f"{n} / ddp"] = bc.median([a / b for a, b in zip(ms[n], ms["ddp"])])
+                row[f"{n} / ddp cpu"] = bc.median([a / b for a, b in zip(cpu[n][-cfg["reps"]:],
+                                                                          cpu["ddp"][-cfg["reps"]:])])
         row["reps"] = ms
+        row["reps cpu"] = {n: v[-cfg["reps"]:] for n, v in cpu.items()}
         rows.append(row)
         del built
     return rows
@@ -137,8 +148,12 @@ def report(rows: List[Dict[str, Any]], cfg: Dict[str, Any]) -> None:
     print(f"\nbench_dp: {cfg['world']} Gloo ranks, {cfg['threads'] or 'default'} thread(s) each, "
           f"MLP of {cfg['depth']} layers, batch {cfg['batch']}, SGD; median of {cfg['reps']} "
           f"interleaved reps (target: flo / ddp <= 1.05)")
-    print(bc.table(rows, cols, {c: ".1f" for c in cols if c.endswith("ms")} |
-                   {c: ".3f" for c in cols if c.endswith("/ ddp")}))
+    fmt = {c: ".1f" for c in cols if c.endswith("ms")} | {c: ".3f" for c in cols if c.endswith("/ ddp")}
+    print(bc.table(rows, cols, fmt))
+    print("\nCPU time per step (all threads of a rank, mean of the ranks; median of the reps):")
+    ccols = ["size"] + [f"{n} cpu ms" for n in names] + [f"{n} / ddp cpu" for n in names if n != "ddp"]
+    print(bc.table(rows, ccols, {c: ".1f" for c in ccols if c.endswith("ms")}
+                   | {c: ".3f" for c in ccols if c.endswith("cpu") and "/" in c}))
     bc.write_json(cfg["json"], {"benchmark": "bench_dp", "config": cfg, "machine": bc.machine(),
                                 "rows": rows, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     if cfg["json"]:
@@ -180,8 +195,8 @@ def main(argv=None) -> None:
                                                       "one variant each")
     p.add_argument("--no-overlap", action="store_true", help="add DistributedOptimizer(overlap=False)")
     p.add_argument("--ddp-view", action="store_true", help="add DDP(gradient_as_bucket_view=True)")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--block-s", type=float, default=1.0, help="seconds per timed block (sets steps)")
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--block-s", type=float, default=0.5, help="seconds per timed block (sets steps)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (0: leave)")

@@ -207,8 +207,11 @@ class BucketReducer:
         if not self.overlap or self.passes[i] != self.passes_per_step:
             return  # accumulating locally, or too many passes (finish() raises on every rank)
         buf, j = self.slots[i]
+        # Into the buffer now, while the gradient is still in cache (held buckets too).
+        if not buf.bind(j):
+            return  # sparse: finish() densifies it or refuses it
         bucket = buf.bucket_of[j]
-        if bucket.held or bucket.work is not None or not buf.bind(j):
+        if bucket.held or bucket.work is not None:
             return
         bucket.pending -= 1
         while self.next < self.n_early and self.order[self.next].pending == 0:

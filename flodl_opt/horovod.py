@@ -15,9 +15,9 @@ A Horovod script runs with renames only (``import flodl_opt as hvd``)::
         opt.step()                      # gradients averaged across ranks, then the inner step
     loss = hvd.allreduce(torch.tensor(1.0), name="avg_loss")   # metrics
 
-``DistributedOptimizer`` averages gradients before every inner step in ONE fused collective per
-gradient dtype (a persistent flat buffer; each ``p.grad`` becomes a view of it), not one per
-parameter. Swapping it for ``LocalSGDOptimizer`` is the one-argument change to local SGD.
+``DistributedOptimizer`` averages gradients before every inner step, bucket by bucket while
+backward still runs (a persistent flat buffer per gradient dtype, each ``p.grad`` a view of it;
+``flodl_opt/grad_buckets.py``), not one collective per parameter. Swapping it for ``LocalSGDOptimizer`` is the one-argument change to local SGD.
 """
 from __future__ import annotations
 

@@ -221,3 +221,39 @@ def test_bucket_bytes_must_be_a_positive_int():
     for bad in (0, -1, 1.5, True, "25MB"):
         with pytest.raises(flo.ConfigError, match="bucket_bytes"):
             flo.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), bucket_bytes=bad)
+
+
+def _join(rank, world, counts):
+    model = _Net()
+    opt = flo.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5),
+                                   bucket_bytes=TINY)
+    with opt.join():
+        for x, y in _batches(counts[rank], 4, seed=100 + rank):
+            opt.zero_grad()
+            (model(x) - y).pow(2).mean().backward()
+            opt.step()
+    return _flat(model).numpy()
+
+
+def test_join_with_several_buckets_averages_only_ranks_with_data():
+    counts = (3, 1, 2)
+    out = run_ranks(_join, 3, counts, timeout=60)
+    ref = _Net()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.5)
+    data = [_batches(c, 4, seed=100 + r) for r, c in enumerate(counts)]
+    for k in range(max(counts)):
+        total, n = [torch.zeros_like(p) for p in ref.parameters()], 0
+        for r in range(3):
+            if k < counts[r]:
+                ref.zero_grad(set_to_none=True)
+                (ref(data[r][k][0]) - data[r][k][1]).pow(2).mean().backward()
+                n += 1
+                for acc, p in zip(total, ref.parameters()):
+                    if p.grad is not None:
+                        acc += p.grad
+        for p, acc in zip(ref.parameters(), total):
+            p.grad = acc / n  # rounds 2 and 3: 2 then 1 contributors, not 3
+        opt.step()
+    for o in out:
+        assert (o == out[0]).all()
+        assert (torch.from_numpy(o) - _flat(ref)).abs().max() < 1e-13

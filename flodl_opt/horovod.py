@@ -15,13 +15,14 @@ A Horovod script runs with renames only (``import flodl_opt as hvd``)::
         opt.step()                      # gradients averaged across ranks, then the inner step
     loss = hvd.allreduce(torch.tensor(1.0), name="avg_loss")   # metrics
 
-``DistributedOptimizer`` averages gradients before every inner step in ONE fused collective per
-gradient dtype (a persistent flat buffer; each ``p.grad`` becomes a view of it), not one per
-parameter. Swapping it for ``LocalSGDOptimizer`` is the one-argument change to local SGD.
+``DistributedOptimizer`` averages gradients before every inner step, bucket by bucket while
+backward still runs (a persistent flat buffer per gradient dtype, each ``p.grad`` a view of it;
+``flodl_opt/grad_buckets.py``), not one collective per parameter. Swapping it for ``LocalSGDOptimizer`` is the one-argument change to local SGD.
 """
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -32,7 +33,8 @@ import torch.distributed as dist
 from . import launch
 from .wrapping import WrappedOptimizer, check_same_on_every_rank
 from .errors import ConfigError
-from .flat import aligned_offsets, unique
+from .flat import unique
+from .grad_buckets import DEFAULT_BUCKET_BYTES, BucketReducer, GradBuffer
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
@@ -424,75 +426,19 @@ def _exact_int_limit(dtype: torch.dtype) -> int:
     return {torch.float16: 2048, torch.bfloat16: 256}.get(dtype, 1 << 24)
 
 
-class _GradBuffer:
-    """The persistent flat gradient buffer of one (device, dtype): each ``p.grad`` is a view of it.
-
-    ``flat`` holds the gradients (plus, in one buffer per optimizer, one trailing element:
-    the contributor count that rides the same collective). ``wire`` is what the collective
-    reduces: ``flat`` itself, or a staging twin in the compression dtype.
-    """
-
-    def __init__(self, params: List[torch.Tensor], names: List[str], count_slot: bool,
-                 wire_dtype: Optional[torch.dtype]):
-        self.params, self.names = params, names
-        self.dtype, self.device = params[0].dtype, params[0].device
-        # Aligned like the params' flat buffers (the optimizer's fused kernels read these grads);
-        # the zero gaps ride the collective and stay zero.
-        offsets, self.numel = aligned_offsets([p.numel() for p in params], params[0].element_size())
-        self.count_slot = count_slot
-        self.flat = torch.zeros(self.numel + int(count_slot), dtype=self.dtype, device=self.device)
-        self.views: List[torch.Tensor] = [self.flat[o:o + p.numel()].view(p.shape)
-                                          for p, o in zip(params, offsets)]
-        self._view_ptrs = [v.data_ptr() for v in self.views]
-        self.wire = self.flat if wire_dtype in (None, self.dtype) else torch.empty(
-            self.flat.numel(), dtype=wire_dtype, device=self.device)
-
-    @property
-    def grads(self) -> torch.Tensor:
-        return self.flat[:self.numel]
-
-    def gather(self, sparse_as_dense: bool) -> None:
-        """Make every ``p.grad`` a view of the buffer, holding its current value (zero if none)."""
-        copy_dst, copy_src, zero = [], [], []
-        for p, view, ptr, name in zip(self.params, self.views, self._view_ptrs, self.names):
-            g = p.grad
-            if g is None:
-                zero.append(view)
-            elif g.data_ptr() == ptr and g.shape == view.shape:
-                continue  # already ours: autograd accumulated in place
-            else:
-                if g.is_sparse:
-                    if not sparse_as_dense:
-                        raise ConfigError(f"DistributedOptimizer: {name} has a sparse gradient; pass "
-                                          "sparse_as_dense=True or build the module with sparse=False")
-                    g = g.to_dense()
-                copy_dst.append(view)
-                copy_src.append(g)
-        if zero:
-            torch._foreach_zero_(zero)
-        if copy_dst:
-            torch._foreach_copy_(copy_dst, copy_src)
-        if zero or copy_dst:
-            for p, view, ptr in zip(self.params, self.views, self._view_ptrs):
-                if p.grad is None or p.grad.data_ptr() != ptr:
-                    p.grad = view
-
-    def clear(self) -> None:
-        """Zero contribution (a joined rank): grads zeroed and bound to the buffer."""
-        self.flat.zero_()
-        for p, view, ptr in zip(self.params, self.views, self._view_ptrs):
-            if p.grad is None or p.grad.data_ptr() != ptr:
-                p.grad = view
-
-
 class DistributedOptimizer(WrappedOptimizer):
     """Synchronous data parallelism with Horovod's semantics, around any torch optimizer.
 
     Before every inner step the gradients are summed over ranks and (``op=Average``) divided by
-    the number of contributing ranks, in ONE fused in-place collective per gradient dtype: each
-    ``p.grad`` is a view of a persistent flat buffer. Gradients accumulate locally over
-    ``backward_passes_per_step`` backward passes between steps (scale the loss yourself, as in
-    Horovod: the accumulated sum is what gets averaged).
+    the number of contributing ranks. Each ``p.grad`` is a view of a persistent flat buffer per
+    gradient dtype, cut into buckets of about ``bucket_bytes``; as in Horovod and DDP, a bucket's
+    collective starts during backward as soon as its last gradient is accumulated, so communication
+    overlaps the rest of backward, and ``step()``/``synchronize()`` wait for what is in flight
+    (``flodl_opt/grad_buckets.py``). Gradients accumulate locally over ``backward_passes_per_step``
+    backward passes between steps (only the last pass starts collectives; scale the loss yourself,
+    as in Horovod: the accumulated sum is what gets averaged). A parameter that got no gradient on
+    a rank (unused, or a layer that rank's graph skipped) contributes zeros there; its bucket is
+    then started by ``synchronize()``, on every rank in the same order, so nothing deadlocks.
 
     Args:
         optimizer: an already built torch optimizer (its ``param_groups`` are shared).
@@ -504,6 +450,11 @@ class DistributedOptimizer(WrappedOptimizer):
             ``f/n`` after it (guards low-precision sums against overflow).
         sparse_as_dense: densify sparse gradients instead of refusing them.
         process_group: the group to average over (default: the world).
+        bucket_bytes: gradient bytes per collective (Horovod's fusion threshold; DDP's
+            ``bucket_cap_mb``). Default 25 MiB, as DDP (see BENCHMARKS.md); the first bucket is
+            at most 1 MiB, so communication starts early.
+        overlap: start collectives during backward (default); False reduces everything in
+            ``synchronize()`` instead.
 
     Clipping and AMP, as in Horovod::
 
@@ -517,15 +468,16 @@ class DistributedOptimizer(WrappedOptimizer):
     peers' steps with zero gradients that do not count in the average (and applies the same
     averaged step, so parameters stay identical), until every rank has joined.
 
-    ``num_groups``/``groups`` are accepted for Horovod compatibility and ignored (everything of
-    one dtype is already a single collective).
+    ``num_groups``/``groups`` are accepted for Horovod compatibility and ignored (buckets are
+    set by ``bucket_bytes``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
                  compression: Compressor = Compression.none, backward_passes_per_step: int = 1,
                  op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
                  num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
-                 process_group: Optional[dist.ProcessGroup] = None):
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"DistributedOptimizer wraps a built torch.optim.Optimizer, got "
                               f"{type(optimizer).__name__}")
@@ -547,16 +499,21 @@ class DistributedOptimizer(WrappedOptimizer):
             raise ConfigError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor!r}")
         if gradient_predivide_factor != 1.0 and op is not Average:
             raise ConfigError("gradient_predivide_factor only applies to op=flodl_opt.Average")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ConfigError(f"bucket_bytes must be an int >= 1 (bytes of gradients per collective, "
+                              f"e.g. 25 * 2**20), got {bucket_bytes!r}")
         launch.ensure_init()
 
         # Share the inner optimizer's param_groups and state (flodl_opt/wrapping.py).
         self._share(optimizer)
 
         self.op, self.compression = op, compression
-        self.backward_passes_per_step = backward_passes_per_step
+        self._passes_per_step = backward_passes_per_step
+        self._too_many_here = 0
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.sparse_as_dense = sparse_as_dense
         self.process_group = process_group
+        self.bucket_bytes, self.overlap = bucket_bytes, bool(overlap)
         self._size = _group_size(process_group)
         self._params = [p for p in unique(p for g in optimizer.param_groups for p in g["params"])
                         if p.requires_grad]
@@ -564,17 +521,17 @@ class DistributedOptimizer(WrappedOptimizer):
         self._should_synchronize = True
         self._synchronized = False
         self._joined = False
-        self._passes = [0] * len(self._params)
         self._pending: Optional[Tuple[torch.Tensor, Any]] = None
         self._count_host: Optional[torch.Tensor] = None
         self._count_event: Any = None
-        self._hooks: list = []
-        self._buffers: List[_GradBuffer] = []
+        self._buffers: List[GradBuffer] = []
+        self._reducer: Optional[BucketReducer] = None
         if self._size > 1:
-            self._build_buffers()
+            slots = self._build_buffers()
             self._check_same_everywhere()
-            for i, p in enumerate(self._params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(_PassCounter(self._passes, i)))
+            self._reducer = BucketReducer(self._buffers, self._params, slots, process_group,
+                                          backward_passes_per_step,
+                                          1.0 / self.gradient_predivide_factor, self.overlap)
 
     # ------------------------------------------------------------ Optimizer surface
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -588,13 +545,27 @@ class DistributedOptimizer(WrappedOptimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._passes[:] = [0] * len(self._passes)
+        r = self._reducer
+        if r is not None and r.open:
+            # Gradients discarded before a step: collectives may be in flight (the peers started
+            # the same buckets); finish the round so they pair up and stop touching the buffer.
+            r.finish(0.0, self.sparse_as_dense)
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._passes_per_step
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes: int) -> None:
+        self.set_backward_passes_per_step(passes)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ConfigError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
-        self.backward_passes_per_step = passes
+        self._passes_per_step = passes
+        if self._reducer is not None:
+            self._reducer.passes_per_step = passes
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.optimizer).__name__}, op={self.op!r}, "
@@ -607,12 +578,10 @@ class DistributedOptimizer(WrappedOptimizer):
         if self._synchronized:
             return
         if self._size > 1:
-            too_many = max(self._passes, default=0) > self.backward_passes_per_step
-            for b in self._buffers:
-                b.gather(self.sparse_as_dense)
+            too_many = self._reducer.too_many()
+            self._too_many_here = max(self._reducer.passes, default=0)
             count = self._reduce(contribute=True, too_many=too_many)
             self._check_passes(count, too_many)
-        self._passes[:] = [0] * len(self._passes)
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -631,6 +600,13 @@ class DistributedOptimizer(WrappedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._should_synchronize:
+            self.synchronize()
+        elif not self._synchronized and self._reducer is not None and self._reducer.open:
+            # step() in skip_synchronize() without synchronize(): collectives are already in
+            # flight (started during backward) and every rank started the same ones.
+            warnings.warn("DistributedOptimizer: step() inside skip_synchronize() without calling "
+                          "synchronize() first; synchronizing now (call opt.synchronize() before "
+                          "the block)", stacklevel=2)
             self.synchronize()
         self._synchronized = False
         self.optimizer.step()
@@ -661,7 +637,6 @@ class DistributedOptimizer(WrappedOptimizer):
                 if n == 0:
                     break
                 rounds += 1
-                self._passes[:] = [0] * len(self._passes)
                 self.optimizer.step()
         finally:
             self._joined = False
@@ -674,7 +649,8 @@ class DistributedOptimizer(WrappedOptimizer):
         _broadcast_into(self._params, _global_rank(self.process_group, last), self.process_group)
 
     # ------------------------------------------------------------ internals
-    def _build_buffers(self) -> None:
+    def _build_buffers(self) -> list:
+        """One GradBuffer per (device, dtype), laid out in reverse parameter order (backward's)."""
         by_key: "OrderedDict[Tuple[torch.device, torch.dtype], List[int]]" = OrderedDict()
         for i, p in enumerate(self._params):
             if not p.is_floating_point():
@@ -689,39 +665,46 @@ class DistributedOptimizer(WrappedOptimizer):
         keys = list(by_key)
         exact = [k for k in keys if _exact_int_limit(wire_of[k[1]]) >= 2 * self._size + 1]
         count_key = exact[0] if exact else keys[0]
+        slots: list = [None] * len(self._params)
         for key, idx in by_key.items():
             wire = wire_of[key[1]]
             if key == count_key and not exact:
                 wire = torch.float32  # a narrow-only model on a huge world: count needs float32
-            self._buffers.append(_GradBuffer([self._params[i] for i in idx], [self._names[i] for i in idx],
-                                             key == count_key, wire))
+            idx = idx[::-1]
+            buf = GradBuffer([self._params[i] for i in idx], [self._names[i] for i in idx],
+                             key == count_key, wire, self.bucket_bytes)
+            self._buffers.append(buf)
+            for j, i in enumerate(idx):
+                slots[i] = (buf, j)
         self._count_buffer = next(b for b in self._buffers if b.count_slot)
+        return slots
 
     def _reduce(self, contribute: bool, too_many: bool) -> torch.Tensor:
-        """One in-place SUM per buffer, then scale; returns the contributor count (a 0-dim tensor)."""
-        cb = self._count_buffer
+        """Finish the round's SUMs, then scale; returns the contributor count (a 0-dim tensor)."""
         # 1 = contributing, 0 = joined, a large negative = too many backward passes (all raise).
-        cb.flat[-1].fill_(-2.0 * self._size if too_many else (1.0 if contribute else 0.0))
-        pre = 1.0 / self.gradient_predivide_factor
-        works = []
-        for b in self._buffers:
-            if b.wire is not b.flat:
-                b.wire.copy_(b.flat)
-            if pre != 1.0:
-                b.wire[:b.numel].mul_(pre)
-            works.append(dist.all_reduce(b.wire, op=dist.ReduceOp.SUM, group=self.process_group,
-                                         async_op=True))
-        for w in works:
-            w.wait()
+        value = -2.0 * self._size if too_many else (1.0 if contribute else 0.0)
+        cb = self._count_buffer
+        if self.op is not Average:
+            self._reducer.finish(value, self.sparse_as_dense)
+            return cb.wire[-1]
+        f = self.gradient_predivide_factor
+        if cb.device.type == "cpu":
+            # Scale each bucket by f/n as soon as it arrives (hidden behind the later buckets'
+            # collectives); in the rare round where not every rank contributed (join), correct by
+            # n/count once the count is known. The count is read on the host for free on CPU.
+            self._reducer.finish(value, self.sparse_as_dense, scale=f / self._size)
+            count = cb.wire[-1]
+            n = float(count)
+            if n != self._size and n > 0:
+                for b in self._buffers:
+                    b.grads.mul_(torch.tensor(self._size / n, dtype=torch.float64).to(b.dtype))
+            return count
+        # CUDA: the count stays on the device (no host sync); one scale after all the collectives.
+        self._reducer.finish(value, self.sparse_as_dense)
         count = cb.wire[-1]
-        scale = None
-        if self.op is Average:
-            scale = self.gradient_predivide_factor / count.double().clamp(min=1.0)
+        scale = f / count.double().clamp(min=1.0)
         for b in self._buffers:
-            if b.wire is not b.flat:
-                b.flat[:b.numel].copy_(b.wire[:b.numel])
-            if scale is not None:
-                b.grads.mul_(scale.to(b.dtype))
+            b.grads.mul_(scale.to(b.dtype))
         return count
 
     def _check_passes(self, count: torch.Tensor, too_many: bool) -> None:
@@ -747,31 +730,22 @@ class DistributedOptimizer(WrappedOptimizer):
     def _raise_if_negative(self, count: float, too_many: bool) -> None:
         if count >= 0:
             return
-        here = max(self._passes, default=0)
+        here = self._too_many_here
         raise ConfigError(f"DistributedOptimizer: gradients were accumulated over more backward passes "
                           f"than backward_passes_per_step={self.backward_passes_per_step} before step()"
                           f"{f' (this rank: {here})' if too_many else ' on another rank'}; "
                           "raise backward_passes_per_step or call step() after every backward")
 
     def _check_same_everywhere(self) -> None:
-        desc = [(str(b.dtype), str(b.wire.dtype), b.count_slot, [tuple(p.shape) for p in b.params])
-                for b in self._buffers]
-        desc.append((self.op.name, self.compression.name, self.gradient_predivide_factor))
+        desc = [(str(b.dtype), str(b.wire.dtype), b.count_slot, [tuple(p.shape) for p in b.params],
+                 b.layout()) for b in self._buffers]
+        desc.append((self.op.name, self.compression.name, self.gradient_predivide_factor,
+                     self.bucket_bytes, self.overlap))
         summary = [(d[0], len(d[3]), sum(_numel(s) for s in d[3])) for d in desc[:-1]] + [desc[-1]]
         check_same_on_every_rank(desc, summary, self.process_group,
                                  "DistributedOptimizer: ranks wrap different models or options",
                                  "(dtype, tensors, elements) per buffer, then op/compression",
                                  "DistributedOptimizer")
-
-
-class _PassCounter:
-    """Counts backward passes per parameter (a post-accumulate-grad hook; no self reference)."""
-
-    def __init__(self, counts: List[int], index: int):
-        self.counts, self.index = counts, index
-
-    def __call__(self, _param: torch.Tensor) -> None:
-        self.counts[self.index] += 1
 
 
 def _param_names(params: List[torch.Tensor], named_parameters) -> List[str]:

@@ -46,10 +46,13 @@ encode to its next difference, and each owner adds the residual of its re-encode
 so over many syncs nothing is lost (the sum of the decoded updates stays within one quantization
 of the exact sum). Both residuals are in ``state_dict`` (per rank) for an exact resume.
 
-Memory, per float32 param element (4 bytes): a float32 work buffer (4 B) plus the payload, its
-receive and gather buffers (about 2 payloads: 4 B for bf16/fp16, 2 B for int8) and a float32
-section (4/N B); plain averaging and EASGD add the anchor (4 B) while DiLoCo, SlowMo and a torch
-outer optimizer share their own anchor (0 B); error feedback adds 4 B + 4/N B.
+Memory, per float32 param element (4 bytes; the fp32 sync's own pre-sync copy not counted):
+a float32 work buffer (4 B); the payload's send, own, receive, gather and re-encode buffers (about
+3 payloads: 6 B for bf16/fp16, 3 B for int8); two float32 sections (8/N B); a float32 temporary
+while encoding (up to 4 B, freed after). Plain averaging and EASGD add the anchor (4 B); DiLoCo,
+SlowMo and a torch outer optimizer share their own anchor (0 B). Error feedback adds 4 B + 4/N B.
+Measured with tools/bench_sync.py on 2 ranks: int8 +4.2 param copies over the fp32 sync with plain
+averaging, +3.2 with DiLoCo; bf16 +4.9 / +3.9 (BENCHMARKS.md).
 
 Float buffers (BatchNorm running stats) are small, are not differences from an anchor, and ride
 the float32 path unchanged; integer buffers are never synced. A world of one sends nothing and
@@ -239,6 +242,7 @@ class _GroupState:
         self.mine = torch.empty(1, self.sec, dtype=torch.uint8, device=dev)          # re-encoded sum
         self.gathered = torch.empty(world, self.sec, dtype=torch.uint8, device=dev)
         self.acc = torch.empty(1, self.c, dtype=torch.float32, device=dev)
+        self.part = torch.empty(1, self.c, dtype=torch.float32, device=dev)   # one decoded section
         self.residual = self.owner_residual = None
         if error_feedback:
             self.residual = torch.zeros(g.numel, dtype=torch.float32, device=dev)
@@ -341,7 +345,7 @@ class CompressedWire:
                                input_split_sizes=st.splits, group=self.group)
         # The owner's sum, in float32, in rank order (its own section from its own payload).
         recv = st.recv.view(world - 1, st.sec)
-        acc, part = st.acc, torch.empty_like(st.acc)
+        acc, part = st.acc, st.part
         acc.zero_()
         for r in range(world):
             src = st.own if r == st.rank else recv[r if r < st.rank else r - 1].unsqueeze(0)
@@ -371,7 +375,7 @@ class CompressedWire:
             torch.div(st.x[:n], f, out=st.residual)
         if owner_res is not None:
             st.owner_residual.copy_(owner_res)
-        part = st.acc
+        part = st.part
         for j in range(world):  # W <- A + deQ(gathered), section by section
             lo, hi = j * c, min(n, (j + 1) * c)
             if lo >= n:

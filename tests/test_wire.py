@@ -258,6 +258,10 @@ def rank_failure(rank, world, mode):
     opt.sync()  # the retry succeeds and leaves the ranks identical
     allp = gather_object([t.detach().clone() for t in model.parameters()])
     same = all(torch.equal(a, b) for a, b in zip(allp[0], allp[rank]))
+    # A sync with no work anywhere skips: nothing is sent, nothing changes.
+    idle = opt.sync()
+    same = same and idle.skipped and idle.collectives == 1 and all(
+        torch.equal(a, b) for a, b in zip(allp[rank], model.parameters()))
     return raised, untouched, counters, same
 
 

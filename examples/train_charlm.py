@@ -55,6 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-syncs", type=int, default=0,
                    help="sync after every step for the first N steps (post-local SGD), then every K")
     p.add_argument("--outer", choices=("avg", "diloco", "slowmo", "easgd"), default="avg")
+    p.add_argument("--wire", choices=("fp32", "bf16", "fp16", "int8"), default="fp32",
+                   help="what a param sync sends: float32, or the difference from the anchor compressed")
+    p.add_argument("--error-feedback", action="store_true",
+                   help="carry the compression residual into the next sync (with --wire bf16/fp16/int8)")
     p.add_argument("--outer-lr", type=float, default=None, help="DiLoCo/SlowMo outer lr (default: theirs)")
     p.add_argument("--outer-momentum", type=float, default=None, help="DiLoCo/SlowMo outer momentum")
     p.add_argument("--steps", type=int, default=512, help="optimizer steps per rank")
@@ -181,7 +185,8 @@ def build_optimizer(args, model: nn.Module):
         outer = cls(**kw)
     # The one-line wrap: any torch optimizer becomes local SGD with a consensus every K steps.
     opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=args.sync_every, outer=outer,
-                                warmup_steps=args.warmup_syncs, max_grad_norm=1.0, lr_scheduler=sched)
+                                warmup_steps=args.warmup_syncs, max_grad_norm=1.0, lr_scheduler=sched,
+                                wire=args.wire, error_feedback=args.error_feedback)
     return opt, None
 
 
@@ -221,7 +226,7 @@ def train(args) -> dict:
     say(f"charlm: {world} rank(s) on {flo.backend()}, {n_params / 1e6:.2f}M params, "
         f"{train_data.numel() / 1e6:.2f}M train / {val_data.numel() / 1e6:.2f}M val bytes, "
         + ("mode=allreduce (gradients averaged every step)" if args.mode == "allreduce"
-           else f"sync_every={args.sync_every} outer={args.outer}"))
+           else f"sync_every={args.sync_every} outer={args.outer} wire={args.wire}"))
 
     curve, collectives, comm_bytes, syncs = [], 0, 0, 0
     last_seen, divergence = None, None

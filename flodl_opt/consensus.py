@@ -143,6 +143,7 @@ class Consensus:
         self._valid: dict = {}    # id(group) -> elements of the copy taken at this sync
         self._scratch_is_delta = False  # holds W_i_pre - C (after the readout) rather than W_i_pre
         self._tmps: dict = {}     # dtype -> one block of scratch for the chunked readout
+        self.wire = None          # a CompressedWire (flodl_opt/wire.py) replaces the float32 reduce
 
     # ------------------------------------------------------------------ steps
     def count(self, steps: int, active: bool, nonfinite: bool, sync_number: int = 0) -> Totals:
@@ -351,6 +352,8 @@ class Consensus:
     # ------------------------------------------------------------------ the sync
     def run(self, steps: int, sync_number: int, active: bool = True) -> SyncStats:
         """count -> reduce -> readout. Raises SyncError (params restored) if a collective fails."""
+        if self.wire is not None and self.distributed:  # compressed differences (wire.py)
+            return self.wire.run(self, steps, sync_number, active)
         if self.backend == "nccl":  # GPUs, a world of one included: the snapshot path, unchanged
             return self._run_nccl(steps, sync_number, active)
         return self._run_pipelined(steps, sync_number, active)

@@ -36,11 +36,12 @@ from .errors import ConfigError, NonFiniteWarning
 from .flat import FlatGroup, pack, signature, unique
 from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
 from .stall import DEFAULT_STALL_WARNING_S, StallWatchdog
+from .wire import DEFAULT_WIRE_BLOCK, make_wire, wire_config
 
 STATE_KEY = "flodl_opt"
 STATE_VERSION = 1
 # Config that must agree between a checkpoint and the optimizer loading it, and across ranks.
-_STRICT_CONFIG = ("sync_every", "warmup_steps", "gamma", "outer")
+_STRICT_CONFIG = ("sync_every", "warmup_steps", "gamma", "outer", "wire")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -71,6 +72,12 @@ class LocalSGDOptimizer(WrappedOptimizer):
         gloo_chunk_bytes: on Gloo, reduce in chunks of this size so scaling overlaps the reduction.
         stall_warning_s: log a warning naming the sync and the ranks that have not arrived when
             this rank waits at one sync longer than this (``None``: no watchdog thread).
+        wire: what the param sync sends: ``"fp32"`` (the float32 reduce, default), or the
+            rank's difference from the common anchor in ``"bf16"``, ``"fp16"`` or ``"int8"``
+            (1/2, 1/2, ~1/4 of the bytes; flodl_opt/wire.py says how and what it costs).
+        wire_block: elements per int8 scale (``wire="int8"``).
+        error_feedback: carry each rank's quantization residual into its next sync (compressed
+            wires only; the residual is in ``state_dict``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[nn.Module] = None,
@@ -79,8 +86,13 @@ class LocalSGDOptimizer(WrappedOptimizer):
                  gamma: float = 1.0, process_group: Optional[dist.ProcessGroup] = None, *,
                  broadcast_initial: bool = True, keep_presync: bool = True,
                  nonfinite_guard: bool = True, gloo_chunk_bytes: int = DEFAULT_GLOO_CHUNK_BYTES,
-                 stall_warning_s: Optional[float] = DEFAULT_STALL_WARNING_S):
+                 stall_warning_s: Optional[float] = DEFAULT_STALL_WARNING_S,
+                 wire: str = "fp32", wire_block: int = DEFAULT_WIRE_BLOCK, error_feedback: bool = False):
         _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma)
+        self._wire = make_wire(wire, wire_block, error_feedback)  # None: the float32 reduce
+        if self._wire is not None and not broadcast_initial:
+            raise ConfigError(f"flodl_opt: wire={wire!r} sends differences from an anchor every rank "
+                              "must hold bit for bit: drop broadcast_initial=False")
         launch.ensure_init()
         # Share the inner optimizer's param_groups and state (flodl_opt/wrapping.py).
         self._share(optimizer)
@@ -103,6 +115,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
         float_buffers = [b for b in unique(inner_model.buffers()) if b.is_floating_point()] \
             if inner_model is not None else []
         self._param_groups_flat: List[FlatGroup] = pack(self._params, "param")
+        if self._wire is not None:
+            self._wire.check_groups(self._param_groups_flat)
         self._buffer_groups_flat: List[FlatGroup] = pack(float_buffers, "buffer")
 
         self._consensus = Consensus(
@@ -115,6 +129,10 @@ class LocalSGDOptimizer(WrappedOptimizer):
             if broadcast_initial:
                 self._broadcast_from_root(inner_model)
         self.outer.setup(self._param_groups_flat)
+        if self._wire is not None:  # shares the outer optimizer's anchor when it keeps one
+            self._wire.bind(self._param_groups_flat, self.outer.anchor if self.outer.needs_anchor else None,
+                            group_size, self._rank, process_group)
+            self._consensus.wire = self._wire
         # CUDA: packing copied every tensor into its flat buffer on the current stream and freed
         # the old storage, which the caching allocator may hand to another stream at once; the
         # anchor copies above are queued too. Let them land before any stream touches the params.
@@ -322,6 +340,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         return {"sync_every": self.sync_every, "warmup_steps": self.warmup_steps, "gamma": self.gamma,
                 "outer": self.outer.name, "outer_config": self.outer.config(),
                 "max_grad_norm": self.max_grad_norm,
+                "wire": self._wire.config() if self._wire is not None else wire_config(),
                 "flat": [(r, d, [list(s) for s in shapes]) for r, d, shapes in
                          signature(self._param_groups_flat + self._buffer_groups_flat)]}
 
@@ -336,6 +355,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
             "outer": self.outer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
         }
+        if self._wire is not None:
+            sd[STATE_KEY]["wire"] = self._wire.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
@@ -346,11 +367,11 @@ class LocalSGDOptimizer(WrappedOptimizer):
             raise ConfigError("flodl_opt: this state dict has no 'flodl_opt' entry: it was not saved by "
                               "LocalSGDOptimizer.state_dict(). Load a plain optimizer checkpoint with "
                               "opt.optimizer.load_state_dict(sd) instead.")
-        saved, now = ours["config"], self.config()
+        saved, now = {"wire": wire_config(), **ours["config"]}, self.config()
         if saved["flat"] != now["flat"]:
             raise ConfigError("flodl_opt: the checkpoint was saved for a different model (the synced "
                               "tensors' shapes or dtypes differ); build the same model before loading")
-        keys = ("outer",) if not strict else _STRICT_CONFIG
+        keys = ("outer", "wire") if not strict else _STRICT_CONFIG
         diff = {k: (saved[k], now[k]) for k in keys if saved[k] != now[k]}
         if diff:
             raise ConfigError(f"flodl_opt: the checkpoint's config differs from this optimizer's "
@@ -364,6 +385,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self.outer.load_state_dict(ours["outer"])
         if self.lr_scheduler is not None and ours["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(ours["lr_scheduler"])
+        if self._wire is not None:
+            self._wire.load_state_dict(ours.get("wire"))
 
     # ------------------------------------------------------------ counters
     @property

@@ -9,6 +9,9 @@ same run, with the same tensors and the same process group:
 * ``flo avg``: ``LocalSGDOptimizer.sync()`` with plain averaging, with its default config and with
   ``keep_presync=False`` / ``nonfinite_guard=False`` so each feature's cost is visible;
 * ``flo diloco``: the same with ``outer="diloco"``;
+* ``flo ..., wire X``: compressed syncs (``wire="bf16" | "fp16" | "int8"``), each rank's difference
+  from the anchor sent narrow (a random untimed update before each sync, so there is one to send);
+  ``bytes x floor`` is their bytes handed to collectives over the float32 all_reduce's;
 * ``torch average_parameters`` / ``torch PeriodicModelAverager``: PyTorch's
   ``torch.distributed.algorithms.model_averaging`` on the same parameters.
 
@@ -112,10 +115,10 @@ class Flo(Variant):
         import flodl_opt as flo
         self.params = self.make_params()
         kw = dict(self.kwargs)
+        kw.setdefault("broadcast_initial", False)
         if self.device.type == "cpu":
             kw["gloo_chunk_bytes"] = self.chunk_bytes
-        self.opt = flo.LocalSGDOptimizer(torch.optim.SGD(self.params, lr=0.1), sync_every=10 ** 9,
-                                         broadcast_initial=False, **kw)
+        self.opt = flo.LocalSGDOptimizer(torch.optim.SGD(self.params, lr=0.1), sync_every=10 ** 9, **kw)
         self.stats = None
 
     def prepare(self) -> None:
@@ -132,8 +135,22 @@ class Flo(Variant):
         return {"collectives": s.collectives}
 
 
+class FloWire(Flo):
+    """A compressed sync: each rank first moves its params by a small random update (untimed)."""
+
+    def prepare(self) -> None:
+        import torch
+        with torch.no_grad():
+            for q in self.params:
+                q.add_(torch.randn_like(q), alpha=1e-3)
+        super().prepare()
+
+
 def flo_variant(label: str, **kwargs) -> type:
-    return type("Flo_" + label, (Flo,), {"name": label, "kwargs": kwargs})
+    base = FloWire if "wire" in kwargs else Flo
+    if "wire" in kwargs:
+        kwargs.setdefault("broadcast_initial", True)  # compressed syncs need a common anchor
+    return type("Flo_" + label, (base,), {"name": label, "kwargs": kwargs})
 
 
 class TorchAverageParameters(Variant):
@@ -174,6 +191,12 @@ VARIANTS = [
     flo_variant("flo avg, both off", keep_presync=False, nonfinite_guard=False),
     flo_variant("flo diloco", outer="diloco"),
     flo_variant("flo diloco, keep_presync=False", outer="diloco", keep_presync=False),
+    flo_variant("flo avg, wire bf16", wire="bf16"),
+    flo_variant("flo avg, wire fp16", wire="fp16"),
+    flo_variant("flo avg, wire int8", wire="int8"),
+    flo_variant("flo avg, wire int8 + error feedback", wire="int8", error_feedback=True),
+    flo_variant("flo diloco, wire bf16", outer="diloco", wire="bf16"),
+    flo_variant("flo diloco, wire int8", outer="diloco", wire="int8"),
     TorchAverageParameters, TorchPeriodic,
 ]
 
@@ -236,7 +259,8 @@ def worker(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
         for _ in range(cfg["reps"]):
             for v in variants:
                 times[v.name].append(_timed(v, device))
-        info = {v.name: {"bytes": v.bytes, **v.extra()} for v in variants}
+        # extra() first: it records the bytes a sync really handed over (SyncStats.bytes).
+        info = {v.name: {**v.extra(), "bytes": v.bytes} for v in variants}
         del variants
         gc.collect()
         res.update({"times": times, "mem": mem, "info": info})
@@ -261,6 +285,7 @@ def combine(per_rank: List[Dict[str, Any]], cfg: Dict[str, Any]) -> List[Dict[st
                 "x floor": med[n] / med[FLOOR],
                 "x chunked": med[n] / med[FLOOR_CHUNKED] if FLOOR_CHUNKED in med else None,
                 "MB moved": r0["info"][n]["bytes"] / 1e6,
+                "bytes x floor": r0["info"][n]["bytes"] / r0["info"][FLOOR]["bytes"],
                 "collectives": r0["info"][n].get("collectives", 1 if "chunked" not in n else None),
                 "extra MB": mem / 1e6,
                 "extra copies": mem / (total * 4),
@@ -279,10 +304,12 @@ def bc_size(n: int) -> str:
 
 
 def report(rows, cfg, world, backend) -> None:
-    cols = ["params", "method", "ms", "x floor", "x chunked", "MB moved", "extra MB", "extra copies"]
+    cols = ["params", "method", "ms", "x floor", "x chunked", "MB moved", "bytes x floor", "extra MB",
+            "extra copies"]
     print(f"\nbench_sync: {world} ranks, {backend}, {cfg['tensors']} tensors per set, "
           f"chunk {cfg['chunk_bytes'] >> 10} KiB, median of {cfg['reps']} reps (slowest rank per rep)")
     print(bc.table(rows, cols, {"ms": ".1f", "x floor": ".3f", "x chunked": ".3f", "MB moved": ".1f",
+                                "bytes x floor": ".3f",
                                 "extra MB": ".0f", "extra copies": ".2f"}))
     payload = {"benchmark": "bench_sync", "world": world, "backend": backend, "config": cfg,
                "machine": bc.machine(), "rows": rows,

@@ -8,7 +8,10 @@ steps, batch, seed and data with:
 * ``sync-k1``: model averaging every step (K=1), the other synchronous baseline;
 * ``localsgd-k16``: local SGD, plain averaging every 16 steps;
 * ``diloco-h64``: DiLoCo (outer Nesterov SGD, lr 0.7, momentum 0.9) every 64 steps;
-* optionally ``slowmo-k16`` (``--slowmo``) and extra DiLoCo outer settings (``--diloco lr:momentum``).
+* optionally ``slowmo-k16`` (``--slowmo``) and extra DiLoCo outer settings (``--diloco lr:momentum``);
+* optionally compressed syncs (``--wire bf16 --wire int8``, ``--wire int8+ef`` for error feedback):
+  ``localsgd-k16-<wire>`` and ``diloco-h64-<wire>``, the same runs sending bf16/fp16/int8
+  differences; compare each with its float32 twin (same seed, same data).
 
 It collects each run's final validation loss (consensus weights, same fixed windows for all runs),
 param syncs, collectives and bytes each rank handed to collectives, and writes a table (stdout,
@@ -66,6 +69,13 @@ def plan(args) -> List[Dict]:
         runs.append({"name": f"diloco-h64-lr{lr}-m{mom}", "label": f"DiLoCo, H=64 (lr {lr}, mom {mom})",
                      "k": 64, "argv": ["--sync-every", "64", "--outer", "diloco",
                                        "--outer-lr", lr, "--outer-momentum", mom]})
+    for spec in args.wire:
+        mode, _, ef = spec.partition("+")
+        flags = ["--wire", mode] + (["--error-feedback"] if ef == "ef" else [])
+        runs.append({"name": f"localsgd-k16-{spec}", "label": f"local SGD, K=16, wire {spec}", "k": 16,
+                     "argv": ["--sync-every", "16", "--outer", "avg", *flags]})
+        runs.append({"name": f"diloco-h64-{spec}", "label": f"DiLoCo, H=64, wire {spec}", "k": 64,
+                     "argv": ["--sync-every", "64", "--outer", "diloco", *flags]})
     for spec in args.run:
         name, _, rest = spec.partition("=")
         argv = rest.split()
@@ -194,6 +204,9 @@ def main(argv=None) -> None:
     p.add_argument("--slowmo", action="store_true", help="also run SlowMo K=16")
     p.add_argument("--diloco", action="append", default=[], metavar="LR:MOMENTUM",
                    help="also run DiLoCo H=64 with this outer lr and momentum (repeatable)")
+    p.add_argument("--wire", action="append", default=[], metavar="MODE[+ef]",
+                   help="also run local SGD K=16 and DiLoCo H=64 with this compressed wire "
+                        "(bf16, fp16, int8; '+ef' adds error feedback; repeatable)")
     p.add_argument("--run", action="append", default=[], metavar="NAME=ARGS",
                    help="also run train_charlm with these arguments, e.g. "
                         "'diloco-w128=--sync-every 64 --outer diloco --warmup-syncs 128' (repeatable)")

@@ -1,0 +1,413 @@
+"""Compressed syncs: send each rank's difference from a common anchor in bf16, fp16 or int8.
+
+``LocalSGDOptimizer(..., wire="bf16" | "fp16" | "int8")`` replaces the float32 reduce of the
+params by a :class:`CompressedWire`. What travels is a *difference*, never the weights: rank i
+sends ``Q(f_i * (W_i - A))`` against the anchor ``A`` every rank holds bit for bit (the last
+consensus for plain averaging, the outer optimizer's anchor for DiLoCo/SlowMo, so the DiLoCo
+payload is the pseudo-gradient), and the consensus is
+
+    ``C = A + sum_i deQ(Q(f_i * (W_i - A)))``      (``f_i`` the work-weight factors of the count)
+
+Small updates keep their precision in a narrow format, which weights near 1.0 would not.
+
+The reduction is a reduce-scatter then an all-gather, both of the narrow payload:
+
+1. every rank encodes its whole difference, split into ``N`` sections (one per owner rank);
+2. ``all_to_all`` hands section ``j`` to rank ``j`` (the own section stays local: zero split);
+3. the owner decodes the ``N`` sections and sums them in float32, in rank order;
+4. the owner re-encodes its sum (``Q`` again) and ``all_gather`` gives every section to everyone;
+5. every rank, the owner included, decodes the gathered sections: ``W <- A + deQ(...)``.
+
+Step 5 reads the same bytes on every rank with the same arithmetic, so params are bit-identical
+across ranks. Bytes handed to collectives per rank: ``(N-1)/N`` of the payload to ``all_to_all``
+plus ``1/N`` to ``all_gather`` = one payload, i.e. 1/2 (bf16, fp16) and about 1/4 (int8) of the
+float32 all_reduce's input; the same ratio holds for the bytes a ring all_reduce sends.
+
+Why not a SUM all_reduce in bf16/fp16? Gloo supports it but rounds every partial sum to the narrow
+dtype (``N-1`` roundings; measured on 3 ranks: 1.5x the error of one rounding), and fp16 partial
+sums can overflow; NCCL's bf16 PREMUL_SUM is unreliable (DESIGN.md). Summing in float32 at the
+owner costs the second rounding of step 4 only, whatever ``N`` is.
+
+Formats (``c`` elements per section):
+
+* ``bf16``: round to nearest; ``|err| <= 2**-8 |x|`` per encode.
+* ``fp16``: one power-of-two scale per section (sent along, 4 bytes) maps the section's absmax
+  just under ``2**15``: no overflow whatever the magnitudes, and small differences are not lost to
+  subnormals. Scaling by a power of two is exact, so ``|err| <= 2**-11 |x| + 2**-25 * scale``.
+* ``int8``: blocks of ``wire_block`` elements, each with a float32 scale ``absmax/127``;
+  ``q = round(x * (1/scale))``; ``|err| <= scale/2`` per element per encode (plus float32
+  rounding); a block with ``absmax < 1.5e-36`` (float32's normal range times 127) is sent as zeros.
+
+Every element is encoded twice (step 1 by its rank, step 4 by its owner), so the consensus error
+per element is at most ``sum_i err(x_i) + err(S)`` with ``S`` the float32 sum.
+
+``error_feedback=True``: each rank adds the residual ``(x_i - deQ(Q(x_i))) / f_i`` of its last
+encode to its next difference, and each owner adds the residual of its re-encode to its next sum,
+so over many syncs nothing is lost (the sum of the decoded updates stays within one quantization
+of the exact sum). Both residuals are in ``state_dict`` (per rank) for an exact resume.
+
+Memory, per float32 param element (4 bytes; the fp32 sync's own pre-sync copy not counted):
+a float32 work buffer (4 B); the payload's send, own, receive, gather and re-encode buffers (about
+3 payloads: 6 B for bf16/fp16, 3 B for int8); two float32 sections (8/N B); a float32 temporary
+while encoding (up to 4 B, freed after). Plain averaging and EASGD add the anchor (4 B); DiLoCo,
+SlowMo and a torch outer optimizer share their own anchor (0 B). Error feedback adds 4 B + 4/N B.
+Measured with tools/bench_sync.py on 2 ranks: int8 +4.2 param copies over the fp32 sync with plain
+averaging, +3.2 with DiLoCo; bf16 +4.9 / +3.9 (BENCHMARKS.md).
+
+Float buffers (BatchNorm running stats) are small, are not differences from an anchor, and ride
+the float32 path unchanged; integer buffers are never synced. A world of one sends nothing and
+runs the usual float32 path (the params already are the consensus).
+
+Example::
+
+    opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model,
+                                sync_every=64, outer="diloco", wire="int8", wire_block=256)
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
+from .flat import FlatGroup
+
+if TYPE_CHECKING:  # consensus imports nothing from here: no cycle at run time
+    from .consensus import Consensus, SyncStats
+
+WIRES = ("fp32", "bf16", "fp16", "int8")
+DEFAULT_WIRE_BLOCK = 256
+_BF16_U = 2.0 ** -8   # unit roundoff of bfloat16 (8 significant bits)
+_FP16_U = 2.0 ** -11  # unit roundoff of float16 (11 significant bits)
+_ALIGN = 64           # section length multiple for bf16/fp16 (even, so fp16's scale sits aligned)
+
+
+def wire_config(wire: str = "fp32", wire_block: int = DEFAULT_WIRE_BLOCK,
+                error_feedback: bool = False) -> Dict[str, Any]:
+    """The wire settings as the optimizer's config records them (fp32: today's defaults)."""
+    return {"mode": wire, "block": wire_block if wire == "int8" else None,
+            "error_feedback": bool(error_feedback)}
+
+
+def make_wire(wire: str, wire_block: int, error_feedback: bool) -> Optional["CompressedWire"]:
+    """Validate the options; ``None`` for ``"fp32"`` (the optimizer keeps its float32 reduce)."""
+    if not isinstance(wire, str) or wire.lower() not in WIRES:
+        raise ConfigError(f"flodl_opt: unknown wire={wire!r}; use one of {list(WIRES)} "
+                          "(fp32 = uncompressed, the default)")
+    wire = wire.lower()
+    if not isinstance(error_feedback, bool):
+        raise ConfigError(f"error_feedback must be True or False, got {error_feedback!r}")
+    if wire == "fp32":
+        if error_feedback:
+            raise ConfigError("flodl_opt: error_feedback=True needs a compressed wire "
+                              "(wire='bf16', 'fp16' or 'int8'); fp32 loses nothing to feed back")
+        return None
+    if isinstance(wire_block, bool) or not isinstance(wire_block, int) or wire_block < 16 \
+            or wire_block % 4 or wire_block > 1 << 20:
+        raise ConfigError(f"wire_block must be an int in [16, 2**20] and a multiple of 4 (elements "
+                          f"per int8 scale), got {wire_block!r}")
+    codec = {"bf16": _BF16, "fp16": _FP16, "int8": _Int8}[wire](wire_block)
+    return CompressedWire(codec, error_feedback)
+
+
+# ------------------------------------------------------------------ codecs
+class _Codec:
+    """Encodes rows of ``c`` float32 elements into rows of ``section_bytes(c)`` bytes and back."""
+
+    name = "?"
+
+    def __init__(self, block: int):
+        self.block = block
+
+    def section_len(self, numel: int, world: int) -> int:
+        """Elements per owner section: ``world`` sections cover ``numel`` (zero padded)."""
+        m = self.multiple()
+        return max(m, -(-numel // (world * m)) * m)
+
+    def multiple(self) -> int:
+        return _ALIGN
+
+    def section_bytes(self, c: int) -> int:
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``x``: (k, c) float32; ``out``: (k, section_bytes) uint8."""
+        raise NotImplementedError
+
+    def decode(self, inp: torch.Tensor, out: torch.Tensor) -> None:
+        """``inp``: (k, section_bytes) uint8; ``out``: (k, c) float32."""
+        raise NotImplementedError
+
+
+class _BF16(_Codec):
+    name = "bf16"
+
+    def section_bytes(self, c: int) -> int:
+        return 2 * c
+
+    def encode(self, x, out) -> None:
+        out.view(torch.bfloat16).copy_(x)  # round to nearest even
+
+    def decode(self, inp, out) -> None:
+        out.copy_(inp.view(torch.bfloat16))
+
+
+def _absmax(xb: torch.Tensor) -> torch.Tensor:
+    """max |x| over the last dim. amax and amin apart: on CPU aminmax and abs().amax() over
+    short rows run 5-20x slower than these two vectorized reductions."""
+    return torch.maximum(xb.amax(-1), xb.amin(-1).neg_())
+
+
+class _FP16(_Codec):
+    """float16 data, then one float32 power-of-two scale per row."""
+
+    name = "fp16"
+
+    def section_bytes(self, c: int) -> int:
+        return 2 * c + 4
+
+    def encode(self, x, out) -> None:
+        k, c = x.shape
+        absmax = _absmax(_absmax(x.view(k, c // _ALIGN, _ALIGN)))
+        # absmax < 2**e exactly (frexp mantissa in [0.5, 1)), so |x| / 2**(e-15) < 2**15 < 65504.
+        _, e = torch.frexp(absmax)
+        e = torch.where(absmax > 0, e, torch.full_like(e, 15))  # all zeros: scale 1
+        one = torch.ones_like(absmax)
+        out[:, 2 * c:].view(torch.float32).copy_(torch.ldexp(one, e - 15).unsqueeze(1))
+        # A power of two and its inverse are exact: the only rounding is the one to float16.
+        torch.mul(x, torch.ldexp(one, 15 - e).unsqueeze(1), out=out[:, :2 * c].view(torch.float16))
+
+    def decode(self, inp, out) -> None:
+        c = out.shape[1]
+        out.copy_(inp[:, :2 * c].view(torch.float16)).mul_(inp[:, 2 * c:].view(torch.float32))
+
+
+class _Int8(_Codec):
+    """int8 data, then one float32 scale (absmax / 127) per block of ``block`` elements."""
+
+    name = "int8"
+
+    def multiple(self) -> int:
+        return self.block
+
+    def section_bytes(self, c: int) -> int:
+        return c + 4 * (c // self.block)
+
+    def encode(self, x, out) -> None:
+        k, c = x.shape
+        nb, b = c // self.block, self.block
+        xb = x.view(k, nb, b)
+        scale = _absmax(xb).div_(127.0)
+        out[:, c:].view(torch.float32).copy_(scale)
+        # Multiply by the reciprocal (a broadcast division is several times slower on CPU). Blocks
+        # whose scale is below float32's normal range (absmax < 1.5e-36) or zero are sent as zeros.
+        inv = torch.where(scale >= torch.finfo(torch.float32).tiny, 1.0 / scale, torch.zeros_like(scale))
+        q = torch.mul(xb, inv.unsqueeze(2)).round_().clamp_(-127, 127)
+        out[:, :c].view(torch.int8).view(k, nb, b).copy_(q)
+
+    def decode(self, inp, out) -> None:
+        k, c = out.shape
+        nb, b = c // self.block, self.block
+        ob = out.view(k, nb, b)
+        ob.copy_(inp[:, :c].view(torch.int8).view(k, nb, b)).mul_(inp[:, c:].view(torch.float32).unsqueeze(2))
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+# ------------------------------------------------------------------ per flat group
+class _GroupState:
+    """The buffers of one flat param group, sized for ``world`` sections of ``c`` elements."""
+
+    def __init__(self, g: FlatGroup, codec: _Codec, world: int, rank: int,
+                 anchor: Optional[torch.Tensor], error_feedback: bool):
+        self.g, self.world, self.rank = g, world, rank
+        self.c = codec.section_len(g.numel, world)
+        self.sec = codec.section_bytes(self.c)
+        dev = g.device
+        # The anchor: the outer optimizer's (shared, no copy) or our own copy of the last consensus.
+        self.own_anchor = anchor is None
+        self.anchor = g.flat.detach().clone() if anchor is None else anchor
+        self.x = torch.zeros(world * self.c, dtype=torch.float32, device=dev)       # f_i (W_i - A + e_i)
+        # This rank's encoded sections: the peers' ones (sent) and its own (kept) apart, so the
+        # all_to_all input needs no gather copy.
+        self.send = torch.empty(world - 1, self.sec, dtype=torch.uint8, device=dev)
+        self.own = torch.empty(1, self.sec, dtype=torch.uint8, device=dev)
+        self.recv = torch.empty((world - 1) * self.sec, dtype=torch.uint8, device=dev)
+        self.mine = torch.empty(1, self.sec, dtype=torch.uint8, device=dev)          # re-encoded sum
+        self.gathered = torch.empty(world, self.sec, dtype=torch.uint8, device=dev)
+        self.acc = torch.empty(1, self.c, dtype=torch.float32, device=dev)
+        self.part = torch.empty(1, self.c, dtype=torch.float32, device=dev)   # one decoded section
+        self.residual = self.owner_residual = None
+        if error_feedback:
+            self.residual = torch.zeros(g.numel, dtype=torch.float32, device=dev)
+            self.owner_residual = torch.zeros(self.c, dtype=torch.float32, device=dev)
+
+    @property
+    def splits(self) -> List[int]:
+        return [0 if r == self.rank else self.sec for r in range(self.world)]
+
+    def parts(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(rows of x, their encoded rows) for the sections before, at and after this rank's."""
+        x, r = self.x.view(self.world, self.c), self.rank
+        out = [(x[:r], self.send[:r]), (x[r:r + 1], self.own), (x[r + 1:], self.send[r:])]
+        return [(a, b) for a, b in out if a.shape[0]]
+
+
+class CompressedWire:
+    """The compressed param reduce of one optimizer (see the module docstring for the maths).
+
+    ``run`` is the whole sync (count -> compressed reduce -> readout) and keeps every guarantee of
+    the float32 one: the count step, work weights, skip-when-idle, the non-finite guard (a NaN
+    rank sends exact zeros), restore-on-failure (params, anchor and residuals are written only
+    after every collective succeeded) and the divergence readout.
+    """
+
+    def __init__(self, codec: _Codec, error_feedback: bool):
+        self.codec, self.error_feedback = codec, error_feedback
+        self.name = codec.name
+        self._groups: List[_GroupState] = []
+        self._bound: Optional[Tuple] = None
+
+    def config(self) -> Dict[str, Any]:
+        return wire_config(self.name, self.codec.block, self.error_feedback)
+
+    def check_groups(self, groups: Sequence[FlatGroup]) -> None:
+        """Compressed syncs handle float32 params only: refuse anything else at construction."""
+        bad = sorted({str(g.dtype) for g in groups if g.dtype != torch.float32})
+        if bad:
+            raise ConfigError(f"flodl_opt: wire={self.name!r} compresses float32 params; this model has "
+                              f"{bad} params. Use wire='fp32' (narrow params are reduced in float32 "
+                              "already) or keep the master weights in float32.")
+
+    def bind(self, groups: Sequence[FlatGroup], anchors: Optional[Sequence[torch.Tensor]],
+             world: int, rank: int, group: Optional[dist.ProcessGroup]) -> None:
+        """Allocate the buffers once (after the initial broadcast: the anchor starts identical)."""
+        self.check_groups(groups)
+        self.world, self.rank, self.group = world, rank, group
+        if world <= 1:
+            return
+        self._groups = [_GroupState(g, self.codec, world, rank, None if anchors is None else anchors[i],
+                                    self.error_feedback) for i, g in enumerate(groups)]
+
+    # ------------------------------------------------------------------ the sync
+    def run(self, c: "Consensus", steps: int, sync_number: int, active: bool) -> "SyncStats":
+        """count -> compressed reduce -> readout, as ``Consensus._run_nccl`` does in float32."""
+        from .consensus import SyncStats, gamma_mass
+        t0 = time.perf_counter()
+        stats = SyncStats(sync=sync_number, steps=steps)
+        pre_sq = c._pre_norm_sq()
+        nonfinite = c.nonfinite_guard and pre_sq is not None and not math.isfinite(pre_sq)
+        if c.keep_presync:
+            c.presync_copy()
+        with c._restore_on_failure(sync_number):
+            totals = c._count_or_skip(stats, steps, active, nonfinite, sync_number, t0)
+            if totals is None:
+                return stats
+            mass = 0.0 if nonfinite else gamma_mass(steps, c.gamma)
+            stats.weight = f = mass / totals.mass
+            with torch.no_grad():
+                pending = [self._reduce(st, f, stats) for st in self._groups]  # params untouched
+                if c.buffers:  # float buffers: the float32 path, mover-weighted
+                    mover = 0.0 if (nonfinite or steps <= 0) else 1.0
+                    stats.collectives += c.reduce(c.buffers, mover / totals.movers)
+                    stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in c.buffers)
+                for st, owner_res in zip(self._groups, pending):
+                    self._commit(st, f, owner_res)
+        if nonfinite:
+            c._warn_nonfinite(sync_number)
+        c.readout(stats, None if nonfinite else pre_sq)
+        stats.ms = (time.perf_counter() - t0) * 1e3
+        return stats
+
+    def _reduce(self, st: _GroupState, f: float, stats: "SyncStats") -> Optional[torch.Tensor]:
+        """Steps 1-4 for one group: ``st.gathered`` holds every owner's encoded sum afterwards.
+
+        Returns the owner's new re-encode residual (committed only once everything succeeded).
+        """
+        g, codec, n, world = st.g, self.codec, st.g.numel, st.world
+        x = st.x
+        if f == 0.0:
+            x.zero_()  # no vote (idle or non-finite): exact zeros, never 0 * NaN
+        else:
+            torch.sub(g.flat, st.anchor, out=x[:n])
+            if st.residual is not None:
+                x[:n].add_(st.residual)
+            x[:n].mul_(f)
+        for rows, enc in st.parts():
+            codec.encode(rows, enc)
+        dist.all_to_all_single(st.recv, st.send.view(-1), output_split_sizes=st.splits,
+                               input_split_sizes=st.splits, group=self.group)
+        # The owner's sum, in float32, in rank order (its own section from its own payload).
+        recv = st.recv.view(world - 1, st.sec)
+        acc, part = st.acc, st.part
+        acc.zero_()
+        for r in range(world):
+            src = st.own if r == st.rank else recv[r if r < st.rank else r - 1].unsqueeze(0)
+            codec.decode(src, part)
+            acc.add_(part)
+        owner_res = None
+        if st.owner_residual is not None:
+            acc.add_(st.owner_residual)
+        codec.encode(acc, st.mine)
+        if st.owner_residual is not None:
+            codec.decode(st.mine, part)
+            owner_res = (acc - part).view(-1)
+        _all_gather(st.gathered.view(-1), st.mine.view(-1), self.group)
+        stats.collectives += 2
+        stats.bytes += st.send.numel() + st.mine.numel()
+        return owner_res
+
+    def _commit(self, st: _GroupState, f: float, owner_res: Optional[torch.Tensor]) -> None:
+        """Step 5, then the anchor and residuals: every collective of the sync has succeeded."""
+        g, n, world, c = st.g, st.g.numel, st.world, st.c
+        if st.residual is not None and f != 0.0:
+            # This rank's encode residual, back in unscaled units: (x - deQ(Q(x))) / f.
+            for rows, enc in st.parts():
+                sent = torch.empty_like(rows)
+                self.codec.decode(enc, sent)
+                rows.sub_(sent)  # x is spent: it now holds x - deQ(Q(x))
+            torch.div(st.x[:n], f, out=st.residual)
+        if owner_res is not None:
+            st.owner_residual.copy_(owner_res)
+        part = st.part
+        for j in range(world):  # W <- A + deQ(gathered), section by section
+            lo, hi = j * c, min(n, (j + 1) * c)
+            if lo >= n:
+                break
+            self.codec.decode(st.gathered[j:j + 1], part)
+            torch.add(st.anchor[lo:hi], part.view(-1)[:hi - lo], out=g.flat[lo:hi])
+        if st.own_anchor:
+            st.anchor.copy_(g.flat)  # the next sync's anchor is this consensus
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Per rank: the residuals (error feedback) and, for plain averaging, the own anchor."""
+        return {"world": self.world,
+                "anchor": [st.anchor.detach().clone() if st.own_anchor else None for st in self._groups],
+                "residual": [None if st.residual is None else st.residual.detach().clone()
+                             for st in self._groups],
+                "owner_residual": [None if st.owner_residual is None else st.owner_residual.detach().clone()
+                                   for st in self._groups]}
+
+    def load_state_dict(self, sd: Optional[Dict[str, Any]]) -> None:
+        if not self._groups:
+            return
+        if sd is None or len(sd.get("anchor", ())) != len(self._groups):
+            raise ConfigError(f"flodl_opt: the checkpoint holds no wire={self.name!r} state for this "
+                              "model; resume with the wire settings it was saved with")
+        same_world = sd.get("world") == self.world
+        with torch.no_grad():
+            for st, a, r, o in zip(self._groups, sd["anchor"], sd["residual"], sd["owner_residual"]):
+                if st.own_anchor and a is not None:
+                    st.anchor.copy_(a)
+                # Residuals belong to this world's ranks and sections: a new world starts them at zero.
+                if st.residual is not None:
+                    st.residual.copy_(r) if same_world and r is not None else st.residual.zero_()
+                if st.owner_residual is not None:
+                    st.owner_residual.copy_(o) if same_world and o is not None else st.owner_residual.zero_()

@@ -205,7 +205,9 @@ def _check_seal(path: str) -> Optional[str]:
             crc_text, size_text = seal[len(_SEAL_PREFIX):].split(b" size=")
             crc, size = int(crc_text, 16), int(size_text)
         except ValueError:
-            return f"its checksum seal is unreadable ({seal!r})"
+            crc, size = -1, -1
+        if seal != _seal_bytes(crc, size):   # exact bytes: "A" and "a" parse alike as hex
+            return f"its checksum seal is altered ({seal!r})"
         if size != total - _SEAL_LEN - 2:
             return f"it has {total - _SEAL_LEN - 2} bytes before its seal, the seal says {size}"
         actual = _crc32(f, size)

@@ -87,7 +87,7 @@ class Trial:
 
 @dataclasses.dataclass
 class Config:
-    steps: int = 64
+    steps: int = 88
     sync_every: int = 4
     seed: int = 0
     timeout_s: float = 60.0          # collective timeout of kill/damage/nan jobs
@@ -482,11 +482,12 @@ def run_job(trials: List[Trial], refs: Dict[int, Reference], cfg: Config, work: 
     job_dir = os.path.join(work, f"job{first.id:03d}_{first.kind}_w{first.world}")
     ref = refs[first.world]
     if first.kind in ("kill", "stop"):
-        stop = first.kind == "stop"
+        stop = any(t.kind == "stop" for t in trials)
         timeout = cfg.stop_timeout_s if stop else cfg.timeout_s
         args = job_args(cfg, job_dir, timeout, cfg.stall_warning_s if stop else None)
         handler = StopHandler(trials, timeout) if stop else None
-        deadline = cfg.attempt_deadline_s * (len(trials) + 1) + (timeout + DETECT_MARGIN_S) * stop * len(trials)
+        stops = sum(t.kind == "stop" for t in trials)
+        deadline = cfg.attempt_deadline_s * (len(trials) + 1) + (timeout + DETECT_MARGIN_S) * stops
         res = run_torchrun(job_dir, first.world, args, [t.fault_spec() for t in trials], len(trials),
                            deadline, handler)
         judge_chain(trials, res, ref, cfg)

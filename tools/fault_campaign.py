@@ -1,6 +1,6 @@
 """Fault campaign: kill, hang, damage and poison a real training job at random, seeded points; count.
 
-    python tools/fault_campaign.py                       # the default campaign (~10 min on 2 cores)
+    python tools/fault_campaign.py                       # the default campaign (35 trials)
     python tools/fault_campaign.py --kills 6 --stops 2 --damages 3 --nans 1 --worlds 2   # a short one
     python tools/fault_campaign.py --json faults.json
 
@@ -540,7 +540,8 @@ def row(t: Trial) -> str:
     exact = _fmt(t.exact) if t.kind != "nan" else f"d{t.loss_diff:+.1e}" if t.loss_diff is not None else "-"
     note = t.note
     if t.kind == "stop" and "stall_warning_named_it" in t.detail and not note:
-        note = "stall warning named it" if t.detail["stall_warning_named_it"] else "no stall warning"
+        note = ("stall warning named it" if t.detail["stall_warning_named_it"] else
+                "no stall warning (it had entered the sync)" if t.phase == "collective" else "no stall warning")
     if t.kind == "damage" and not note:
         note = "refused on every rank, file named; fell back to prev.pt"
     if t.kind == "nan" and not note:
@@ -551,7 +552,7 @@ def row(t: Trial) -> str:
 
 
 def summarize(trials: List[Trial], cfg: Config) -> Dict[str, Any]:
-    done = [t for t in trials]
+    done = list(trials)
     rec = sum(t.recovered for t in done)
     hangs = sum(t.hang for t in done)
     lost = [t.steps_lost for t in done if t.steps_lost is not None and t.kind != "nan"]

@@ -11,7 +11,10 @@ point of the loop, right after a sync). Rank 0 writes ONE file holding:
 * the user's ``extra`` per rank (epoch, data position, ...).
 
 The write is atomic: a temp file in the checkpoint's directory, ``fsync``, ``os.replace`` onto
-the final name, ``fsync`` of the directory. A crash at any moment leaves either the previous
+the final name, ``fsync`` of the directory. The file is the zip archive ``torch.save`` writes,
+sealed with a CRC32 of all its bytes in the archive's comment (format version 2), so
+``load_checkpoint`` refuses a truncated, bit-flipped or partly copied file, naming it, instead
+of loading garbage; ``torch.load`` still reads the file as usual. A crash at any moment leaves either the previous
 checkpoint or the new one, never a torn file. Because it only runs right after a successful
 sync (``opt.steps_since_sync == 0``) and a failed sync restores the pre-sync weights and leaves
 the counters untouched, a checkpoint never holds half-averaged weights.
@@ -40,9 +43,11 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import struct
 import tempfile
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Union
 
@@ -54,7 +59,8 @@ from .errors import ConfigError
 from .optimizer import STATE_KEY, LocalSGDOptimizer, unwrap_model
 
 FORMAT = "flodl_opt.checkpoint"
-FORMAT_VERSION = 1
+# 2: the file carries a CRC32 seal (version 1 files, unsealed, still load).
+FORMAT_VERSION = 2
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -113,7 +119,7 @@ def _fsync_dir(directory: str) -> None:
 
 
 def atomic_save(obj: Any, path: PathLike) -> None:
-    """``torch.save`` to a temp file in the same directory, fsync, rename over ``path``, fsync the dir.
+    """``torch.save`` to a temp file in the same directory, seal, fsync, rename over ``path``, fsync the dir.
 
     A crash at any moment leaves the previous file at ``path`` intact; a failed write leaves no
     temp file behind.
@@ -123,8 +129,9 @@ def atomic_save(obj: Any, path: PathLike) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "w+b") as f:
             _serialize(obj, f)
+            _seal(f)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
@@ -134,6 +141,79 @@ def atomic_save(obj: Any, path: PathLike) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(directory)
+
+
+# ---------------------------------------------------------------------------- the CRC32 seal
+# The seal is the zip archive's comment (the zip format's own place for trailing text, so
+# torch.load and zipfile read the file unchanged): the CRC32 and length of every byte before
+# the end record's comment-length field. Fixed length, so a reader finds it at the end.
+_SEAL_PREFIX = b"flodl_opt.checkpoint crc32="
+_EOCD = b"PK\x05\x06"   # zip end-of-central-directory record: 22 bytes, then the comment
+_EOCD_LEN = 22
+_READ_CHUNK = 16 << 20
+
+
+def _seal_bytes(crc: int, size: int) -> bytes:
+    return b"%s%08x size=%020d" % (_SEAL_PREFIX, crc, size)
+
+
+_SEAL_LEN = len(_seal_bytes(0, 0))
+
+
+def _crc32(f, size: int) -> int:
+    """CRC32 of the first ``size`` bytes of an open binary file, in chunks (bounded memory)."""
+    f.seek(0)
+    crc, left = 0, size
+    buf = memoryview(bytearray(min(_READ_CHUNK, max(size, 1))))
+    while left > 0:
+        n = f.readinto(buf[:min(len(buf), left)])
+        if not n:
+            raise EOFError(f"file ended {left} bytes early")
+        crc = zlib.crc32(buf[:n], crc)
+        left -= n
+    return crc
+
+
+def _seal(f) -> None:
+    """Put the seal into the zip archive that ``_serialize`` just wrote to ``f`` (opened ``w+b``)."""
+    f.flush()
+    end = f.seek(0, os.SEEK_END)
+    f.seek(max(0, end - _EOCD_LEN))
+    eocd = f.read(_EOCD_LEN)
+    if len(eocd) != _EOCD_LEN or eocd[:4] != _EOCD or eocd[-2:] != b"\0\0":
+        raise RuntimeError("the checkpoint serializer did not write a zip archive without a comment "
+                           "(torch.save's format); cannot seal it")
+    size = end - 2   # every byte before the comment length
+    crc = _crc32(f, size)
+    f.seek(size)
+    f.write(struct.pack("<H", _SEAL_LEN) + _seal_bytes(crc, size))
+    f.truncate()
+
+
+def _check_seal(path: str) -> Optional[str]:
+    """``None`` when the file's seal matches its bytes, ``"unsealed"`` when it has none, else the damage."""
+    with open(path, "rb") as f:
+        total = f.seek(0, os.SEEK_END)
+        if total < _EOCD_LEN + _SEAL_LEN:
+            return "unsealed"
+        f.seek(total - _SEAL_LEN - 2)
+        tail = f.read(_SEAL_LEN + 2)
+        length, seal = struct.unpack("<H", tail[:2])[0], tail[2:]
+        if length != _SEAL_LEN or not seal.startswith(_SEAL_PREFIX):
+            return "unsealed"
+        try:
+            crc_text, size_text = seal[len(_SEAL_PREFIX):].split(b" size=")
+            crc, size = int(crc_text, 16), int(size_text)
+        except ValueError:
+            crc, size = -1, -1
+        if seal != _seal_bytes(crc, size):   # exact bytes: "A" and "a" parse alike as hex
+            return f"its checksum seal is altered ({seal!r})"
+        if size != total - _SEAL_LEN - 2:
+            return f"it has {total - _SEAL_LEN - 2} bytes before its seal, the seal says {size}"
+        actual = _crc32(f, size)
+    if actual != crc:
+        return f"its CRC32 is {actual:08x}, its seal says {crc:08x} (flipped bits, or a partial copy?)"
+    return None
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -348,6 +428,9 @@ def load_checkpoint(path: PathLike, model: nn.Module, opt: LocalSGDOptimizer, *,
     try:
         if not os.path.exists(path):
             error = _MISSING + path
+        elif (damage := _check_seal(path)) not in (None, "unsealed"):
+            error = (f"{path} is damaged: {damage}; it is not the file save_checkpoint wrote. Resume "
+                     "from an earlier checkpoint, or copy the file again")
         else:
             payload = torch.load(path, map_location="cpu", weights_only=weights_only)
             if not (isinstance(payload, dict) and payload.get("format") == FORMAT):
@@ -356,6 +439,10 @@ def load_checkpoint(path: PathLike, model: nn.Module, opt: LocalSGDOptimizer, *,
             elif payload.get("version", 0) > FORMAT_VERSION:
                 error = (f"{path} has checkpoint format version {payload['version']}, newer than this "
                          f"flodl_opt understands ({FORMAT_VERSION}); upgrade flodl_opt")
+            elif damage == "unsealed" and payload.get("version", 0) >= 2:
+                error = (f"{path} is damaged: its checksum seal is missing or altered (version "
+                         f"{payload['version']} files are sealed when written). Resume from an earlier "
+                         "checkpoint, or copy the file again")
     except Exception as exc:  # noqa: BLE001 - a torn or foreign file: say so on every rank
         error = (f"{path} cannot be read ({type(exc).__name__}: {exc}); it is not a complete "
                  "checkpoint (flo.save_checkpoint never leaves a torn file at its path)")
@@ -371,8 +458,10 @@ def load_checkpoint(path: PathLike, model: nn.Module, opt: LocalSGDOptimizer, *,
     bad = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if bad:
         lines = "\n".join(f"  rank {r}: {s}" for r, s in bad)
-        raise RuntimeError(f"flodl_opt.load_checkpoint failed on rank(s) {[r for r, _ in bad]}:\n{lines}\n"
-                           "Every rank reads the file: put it on a filesystem all ranks see.")
+        hint = ("\nEvery rank reads the file: put it on a filesystem all ranks see."
+                if any(s.startswith(_MISSING) for _, s in bad) else "")
+        raise RuntimeError(f"flodl_opt.load_checkpoint failed on rank(s) {[r for r, _ in bad]}:\n{lines}"
+                           + hint)
 
     error = None
     extra = None

@@ -205,8 +205,27 @@ def main(argv=None) -> None:
     p.add_argument("--replot", action="store_true", help="only rebuild the table and PNG from --out")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per run")
     p.add_argument("--quiet", action="store_true", help="do not echo the runs' progress")
+    p.add_argument("--study", default=None, metavar="PLAN",
+                   help="the seeds x budgets x ranks x methods study (tools/convergence_study.py) on "
+                        "in-process cohorts (tools/cohort_sim.py): demo2, demo4, big, all, smoke; "
+                        "with --replot only the report of the cells under --out")
+    p.add_argument("--jobs", type=int, default=1, help="--study: cells run at a time")
+    p.add_argument("--device", default=None, help="--study: cuda or cpu (default: cuda when available)")
+    p.add_argument("--cells", default=None, help="--study: run only these cells (comma-separated tags)")
+    p.add_argument("--figures", default=None, help="--study: where the PNGs go (default: --out)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.study:
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        import convergence_study as study
+        if not args.replot:
+            device = args.device
+            if device is None:
+                import torch
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            study.run_cells(args.study, args.out, args.jobs, device, args.cells, args.timeout)
+        study.report(args.out, args.figures)
+        return
 
     runs = plan(args)
     results = [run_one(r, args, extra) for r in runs]

@@ -7,7 +7,7 @@ steps, batch, seed and data with:
   ``flodl_opt.DistributedOptimizer``); the reference the others are compared with;
 * ``sync-k1``: model averaging every step (K=1), the other synchronous baseline;
 * ``localsgd-k16``: local SGD, plain averaging every 16 steps;
-* ``diloco-h64``: DiLoCo (outer Nesterov SGD, lr 0.7, momentum 0.9) every 64 steps;
+* ``diloco-h64``: DiLoCo with the library defaults every 64 steps;
 * optionally ``slowmo-k16`` (``--slowmo``) and extra DiLoCo outer settings (``--diloco lr:momentum``).
 
 It collects each run's final validation loss (consensus weights, same fixed windows for all runs),
@@ -56,7 +56,7 @@ def plan(args) -> List[Dict]:
               "argv": ["--sync-every", "1", "--outer", "avg"]},
              {"name": "localsgd-k16", "label": "local SGD, K=16", "k": 16,
              "argv": ["--sync-every", "16", "--outer", "avg"]},
-            {"name": "diloco-h64", "label": "DiLoCo, H=64 (lr 0.7, mom 0.9)", "k": 64,
+            {"name": "diloco-h64", "label": "DiLoCo, H=64 (library defaults)", "k": 64,
              "argv": ["--sync-every", "64", "--outer", "diloco"]}]
     if args.slowmo:
         runs.append({"name": "slowmo-k16", "label": "SlowMo, K=16 (lr 1, mom 0.5)", "k": 16,

@@ -11,7 +11,7 @@ the ranks moved down, so stepping *against* it moves the params the way the rank
 Example::
 
     opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model,
-                                sync_every=64, outer=flo.DiLoCo(lr=0.7, momentum=0.9))
+                                sync_every=64, outer=flo.DiLoCo(lr=0.7, momentum=0.5, warmup=8))
     # any torch optimizer as the outer one, stepped with the pseudo-gradient as .grad:
     outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=64, outer=outer)

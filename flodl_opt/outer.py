@@ -11,7 +11,7 @@ the ranks moved down, so stepping *against* it moves the params the way the rank
 Example::
 
     opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model,
-                                sync_every=64, outer=flo.DiLoCo(lr=0.7, momentum=0.9))
+                                sync_every=64, outer=flo.DiLoCo(lr=0.7, momentum=0.5, warmup=8))
     # any torch optimizer as the outer one, stepped with the pseudo-gradient as .grad:
     outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=64, outer=outer)
@@ -115,36 +115,76 @@ class OuterAvg(OuterOptimizer):
 class DiLoCo(OuterOptimizer):
     """DiLoCo (Douillard et al. 2023): Nesterov SGD on the pseudo-gradient ``d = A - C``.
 
-    ``u <- mu*u + d``; step ``= d + mu*u`` (Nesterov) or ``u``; ``W <- A - lr*step``; ``A <- W``.
-    Equals ``torch.optim.SGD(lr, momentum, nesterov)`` stepped on the anchor, in two flat buffers.
-    ``reset_inner=True`` clears the inner optimizer's state after each outer step.
+    Outer step ``k`` (1, 2, ...) with coefficients ``lr_k``, ``mu_k``::
+
+        u <- mu_k*u + d;   step = d + mu_k*u (Nesterov) or u;   W <- A - lr_k*step;   A <- W
+
+    With ``warmup=0`` (``lr_k = lr``, ``mu_k = mu``) this equals ``torch.optim.SGD(lr, momentum,
+    nesterov)`` stepped on the anchor, in two flat buffers. ``reset_inner=True`` clears the inner
+    optimizer's state after each outer step.
+
+    ``warmup=N`` starts from plain averaging and reaches ``(lr, mu)`` at outer step ``N``:
+    ``t = min(1, (k - 1)/N)``, ``lr_k = 1 + t*(lr - 1)``, ``mu_k = t*mu`` (so step 1 is exactly
+    the average, ``W = C``). Why: a pseudo-gradient that recurs in every window is applied
+    ``lr*(1 + mu/(1 - mu)) = lr/(1 - mu)`` times over (7x at lr 0.7, mu 0.9), and the first
+    windows' pseudo-gradients (the jump away from the random init, taken at the peak inner lr)
+    are both the largest and the most aligned; under a constant ``mu`` they keep being re-applied
+    for ~``1/(1 - mu)`` outer steps. Ramping ``mu`` lets that early mass decay out of ``u``.
     """
 
     name = "diloco"
     momentum_buffers = 1
 
-    def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
-                 reset_inner: bool = False):
+    def __init__(self, lr: float = 0.7, momentum: float = 0.5, nesterov: bool = True,
+                 reset_inner: bool = False, warmup: int = 8):
         super().__init__()
         if lr <= 0:
             raise ConfigError(f"DiLoCo: lr must be > 0, got {lr}")
         if not 0 <= momentum < 1:
             raise ConfigError(f"DiLoCo: momentum must be in [0, 1), got {momentum}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ConfigError(f"DiLoCo: warmup must be an int >= 0 (outer steps), got {warmup!r}")
         if nesterov and momentum == 0:
             nesterov = False  # identical maths; saves a pass
         self.lr, self.mu, self.nesterov, self.resets_inner = float(lr), float(momentum), nesterov, reset_inner
+        self.warmup = warmup
+        self.steps = 0          # outer steps taken (checkpointed: the warm-up depends on it)
+        self._lr_k, self._mu_k = self.lr, self.mu
 
     def config(self) -> Dict:
-        return {"lr": self.lr, "momentum": self.mu, "nesterov": self.nesterov, "reset_inner": self.resets_inner}
+        return {"lr": self.lr, "momentum": self.mu, "nesterov": self.nesterov, "reset_inner": self.resets_inner,
+                "warmup": self.warmup}
+
+    def coefficients(self, k: int) -> "tuple[float, float]":
+        """``(lr_k, mu_k)`` of outer step ``k`` (1-based)."""
+        if self.warmup == 0:
+            return self.lr, self.mu
+        t = min(1.0, (k - 1) / self.warmup)
+        return 1.0 + t * (self.lr - 1.0), t * self.mu
+
+    def step(self, groups, deltas, inner_lr) -> None:
+        self.steps += 1
+        self._lr_k, self._mu_k = self.coefficients(self.steps)
+        super().step(groups, deltas, inner_lr)
 
     def _update(self, w, a, u, delta, inner_lr) -> None:
+        lr, mu = self._lr_k, self._mu_k
         a.sub_(w)                      # a = d = A - C (the anchor is rebuilt from w below)
-        torch.add(a, u, alpha=self.mu, out=u)   # u = mu*u + d, one pass
+        torch.add(a, u, alpha=mu, out=u)   # u = mu*u + d, one pass
         if self.nesterov:              # W = A - lr*(d + mu*u) = C + (1-lr)*d - lr*mu*u
-            w.add_(a, alpha=1.0 - self.lr).add_(u, alpha=-self.lr * self.mu)
+            w.add_(a, alpha=1.0 - lr).add_(u, alpha=-lr * mu)
         else:                          # W = A - lr*u = C + d - lr*u
-            w.add_(a).add_(u, alpha=-self.lr)
+            w.add_(a).add_(u, alpha=-lr)
         a.copy_(w)
+
+    def state_dict(self) -> Dict:
+        sd = super().state_dict()
+        sd["steps"] = self.steps
+        return sd
+
+    def load_state_dict(self, sd: Dict) -> None:
+        super().load_state_dict(sd)
+        self.steps = int(sd.get("steps", 0))
 
 
 class SlowMo(OuterOptimizer):

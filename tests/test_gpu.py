@@ -283,7 +283,7 @@ def test_stream_stress_matches_float64_replay(nccl_one, monkeypatch, mode, outer
     inner = torch.optim.AdamW(params, fused=True, **ADAM)
     slim = outer == "avg"  # no pre-sync copy, no non-finite probe: no host sync before the reduce
     opt = flo.LocalSGDOptimizer(
-        inner, model=model, outer=flo.DiLoCo(lr=OUTER_LR, momentum=OUTER_MU) if outer == "diloco" else None,
+        inner, model=model, outer=flo.DiLoCo(lr=OUTER_LR, momentum=OUTER_MU, warmup=0) if outer == "diloco" else None,
         sync_every=sync_every if mode == "in_step" else 10 ** 9,
         keep_presync=not slim, nonfinite_guard=not slim)
     _force_collectives(opt._consensus)

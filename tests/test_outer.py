@@ -35,7 +35,7 @@ def _local_steps(p, opt, center, n):
         opt.step()
 
 
-def _reference_step(name, cfg, pre, steps, anchor, mom, rank):
+def _reference_step(name, cfg, pre, steps, anchor, mom, rank, window=0):
     """One outer step in float64, written from the papers' update rules."""
     mass = np.array([float(n) for n in steps])
     w = mass / mass.sum()
@@ -43,10 +43,13 @@ def _reference_step(name, cfg, pre, steps, anchor, mom, rank):
     if name == "avg":
         return C, C, mom
     if name == "diloco":
+        k = window + 1                               # outer steps are 1-based
+        t = min(1.0, (k - 1) / cfg["warmup"]) if cfg["warmup"] else 1.0
+        lr, mu = 1.0 + t * (cfg["lr"] - 1.0), t * cfg["momentum"]   # warm-up from plain averaging
         d = anchor - C                               # pseudo-gradient: anchor minus consensus
-        mom = cfg["momentum"] * mom + d
-        step = d + cfg["momentum"] * mom if cfg["nesterov"] else mom
-        W = anchor - cfg["lr"] * step
+        mom = mu * mom + d
+        step = d + mu * mom if cfg["nesterov"] else mom
+        W = anchor - lr * step
         return W, W, mom
     if name == "slowmo":
         mom = cfg["momentum"] * mom + (anchor - C) / INNER_LR
@@ -60,9 +63,14 @@ def _reference_step(name, cfg, pre, steps, anchor, mom, rank):
 
 CASES = {
     "avg": (lambda: "avg", {}),
-    "diloco": (lambda: flo.DiLoCo(), dict(lr=0.7, momentum=0.9, nesterov=True)),
-    "diloco_plain_momentum": (lambda: flo.DiLoCo(lr=0.5, momentum=0.8, nesterov=False),
-                              dict(lr=0.5, momentum=0.8, nesterov=False)),
+    # the defaults (changed: momentum 0.9 -> 0.5, warm-up of 8 outer steps from plain averaging)
+    "diloco": (lambda: flo.DiLoCo(), dict(lr=0.7, momentum=0.5, nesterov=True, warmup=8)),
+    "diloco_paper": (lambda: flo.DiLoCo(lr=0.7, momentum=0.9, warmup=0),
+                     dict(lr=0.7, momentum=0.9, nesterov=True, warmup=0)),
+    "diloco_warmup2": (lambda: flo.DiLoCo(lr=0.6, momentum=0.9, warmup=2),   # reaches (lr, mu) at step 3
+                       dict(lr=0.6, momentum=0.9, nesterov=True, warmup=2)),
+    "diloco_plain_momentum": (lambda: flo.DiLoCo(lr=0.5, momentum=0.8, nesterov=False, warmup=0),
+                              dict(lr=0.5, momentum=0.8, nesterov=False, warmup=0)),
     "slowmo": (lambda: flo.SlowMo(lr=1.0, momentum=0.5), dict(lr=1.0, momentum=0.5)),
     "easgd": (lambda: flo.EASGD(alpha=0.3), dict(alpha=0.3)),
 }
@@ -78,7 +86,7 @@ def rank_outer_reference(rank, world, case):
     for window, steps in enumerate(STEPS):
         _local_steps(p, opt, centers[rank], steps[rank])
         pre = gather_object(p.detach().double().numpy().copy())
-        want, anchor, mom = _reference_step(name, cfg, pre, steps, anchor, mom, rank)
+        want, anchor, mom = _reference_step(name, cfg, pre, steps, anchor, mom, rank, window)
         stats = opt.sync()
         np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-12, atol=1e-12,
                                    err_msg=f"{case}: window {window}")
@@ -96,7 +104,7 @@ def test_outer_matches_float64_reference_over_syncs(case):
 
 def rank_pseudo_gradient_sign(rank, world):
     """All ranks move +1 per step; DiLoCo must move the params further along +, not back."""
-    p, opt = _make(flo.DiLoCo(lr=0.7, momentum=0.0))
+    p, opt = _make(flo.DiLoCo(lr=0.7, momentum=0.0, warmup=0))   # no warm-up: step 1 is not the average
     start = p.detach().clone()
     for _ in range(4):
         opt.zero_grad()
@@ -131,7 +139,7 @@ def rank_equivalences(rank, world):
         got, _ = _trajectory(rank, world, outer)
         for a, b in zip(avg, got):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"{outer!r} != plain averaging")
-    diloco, _ = _trajectory(rank, world, flo.DiLoCo())
+    diloco, _ = _trajectory(rank, world, flo.DiLoCo(lr=0.7, momentum=0.9, warmup=0))
     torch_outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     custom, _ = _trajectory(rank, world, torch_outer)
     for a, b in zip(diloco, custom):
@@ -156,15 +164,19 @@ def test_reset_inner_clears_inner_state_only_when_asked():
         assert kept == 1 and reset == 0
 
 
-def rank_torch_outer_resume(rank, world):
+def rank_torch_outer_resume(rank, world, which="torch"):
+    def make():
+        return (functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True) if which == "torch"
+                else flo.DiLoCo(lr=0.6, momentum=0.9, warmup=3))   # resume mid warm-up: steps checkpointed
+
     def run(cut):
-        p, opt = _make(functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
+        p, opt = _make(make())
         centers = _centers(world)
         for window in range(4):
             if cut and window == 2:
                 sd = copy.deepcopy(opt.state_dict())
                 value = p.detach().clone()
-                p, opt = _make(functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
+                p, opt = _make(make())
                 with torch.no_grad():
                     p.copy_(value)
                 opt.load_state_dict(sd)
@@ -177,6 +189,10 @@ def rank_torch_outer_resume(rank, world):
 
 def test_torch_outer_resumes_exactly():
     run_ranks(rank_torch_outer_resume, 2)
+
+
+def test_diloco_warmup_resumes_exactly():
+    run_ranks(rank_torch_outer_resume, 2, "diloco")
 
 
 def test_outer_arguments_validated():

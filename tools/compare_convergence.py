@@ -7,7 +7,7 @@ steps, batch, seed and data with:
   ``flodl_opt.DistributedOptimizer``); the reference the others are compared with;
 * ``sync-k1``: model averaging every step (K=1), the other synchronous baseline;
 * ``localsgd-k16``: local SGD, plain averaging every 16 steps;
-* ``diloco-h64``: DiLoCo (outer Nesterov SGD, lr 0.7, momentum 0.9) every 64 steps;
+* ``diloco-h64``: DiLoCo with the library defaults every 64 steps;
 * optionally ``slowmo-k16`` (``--slowmo``) and extra DiLoCo outer settings (``--diloco lr:momentum``);
 * optionally compressed syncs (``--wire bf16 --wire int8``, ``--wire int8+ef`` for error feedback):
   ``localsgd-k16-<wire>`` and ``diloco-h64-<wire>``, the same runs sending bf16/fp16/int8
@@ -59,7 +59,7 @@ def plan(args) -> List[Dict]:
               "argv": ["--sync-every", "1", "--outer", "avg"]},
              {"name": "localsgd-k16", "label": "local SGD, K=16", "k": 16,
              "argv": ["--sync-every", "16", "--outer", "avg"]},
-            {"name": "diloco-h64", "label": "DiLoCo, H=64 (lr 0.7, mom 0.9)", "k": 64,
+            {"name": "diloco-h64", "label": "DiLoCo, H=64 (library defaults)", "k": 64,
              "argv": ["--sync-every", "64", "--outer", "diloco"]}]
     if args.slowmo:
         runs.append({"name": "slowmo-k16", "label": "SlowMo, K=16 (lr 1, mom 0.5)", "k": 16,
@@ -218,8 +218,27 @@ def main(argv=None) -> None:
     p.add_argument("--replot", action="store_true", help="only rebuild the table and PNG from --out")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per run")
     p.add_argument("--quiet", action="store_true", help="do not echo the runs' progress")
+    p.add_argument("--study", default=None, metavar="PLAN",
+                   help="the seeds x budgets x ranks x methods study (tools/convergence_study.py) on "
+                        "in-process cohorts (tools/cohort_sim.py): demo2, demo4, big, all, smoke; "
+                        "with --replot only the report of the cells under --out")
+    p.add_argument("--jobs", type=int, default=1, help="--study: cells run at a time")
+    p.add_argument("--device", default=None, help="--study: cuda or cpu (default: cuda when available)")
+    p.add_argument("--cells", default=None, help="--study: run only these cells (comma-separated tags)")
+    p.add_argument("--figures", default=None, help="--study: where the PNGs go (default: --out)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.study:
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        import convergence_study as study
+        if not args.replot:
+            device = args.device
+            if device is None:
+                import torch
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            study.run_cells(args.study, args.out, args.jobs, device, args.cells, args.timeout)
+        study.report(args.out, args.figures)
+        return
 
     runs = plan(args)
     results = [run_one(r, args, extra) for r in runs]

@@ -1,0 +1,373 @@
+"""In-process cohort: many ranks and many runs of the char LM as one batched model, for long budgets.
+
+A real run of ``examples/train_charlm.py`` costs one process per rank and one core per process;
+16k steps of the demo model take ~50 minutes on one core. Here every replica of every run
+(method x seed x rank) is one slice ``R`` of a batched model: params live in one ``[R, N]``
+buffer, the forward is batched matmuls, so one GPU (or a few CPU cores) steps a whole grid of runs
+at once. What it reproduces of a real run, exactly as the demo and the library do it:
+
+* the model, its initialization (``CharLM`` built with ``torch.manual_seed(seed)``, per run), the
+  data (each rank's own generator seeded ``seed + rank``), the validation windows;
+* AdamW (lr 2e-3, betas 0.9/0.99, decoupled weight decay), 30 warm-up steps then cosine to 10%,
+  gradient clipping at 1.0 per rank (after averaging, for gradient all-reduce);
+* the sync schedule of ``LocalSGDOptimizer`` (``warmup_steps`` syncs after every step, then every
+  K) and its outer step: the consensus is the mean of the group's replicas, and the library's own
+  ``OuterOptimizer`` objects (``flodl_opt.outer``) step it, with the inner lr the wrapper would pass;
+* bytes handed to collectives: the flat (256-byte aligned) float32 params and the 7-double count per
+  sync, or all gradients per step for gradient all-reduce.
+
+What differs: float32 arithmetic in a different order (batched kernels, TF32 matmuls on GPU),
+AdamW's update applied to the batched buffer, and intermediate evaluations (between syncs) average
+every rank's loss on all windows where the demo splits the windows over ranks. At a sync (every
+final point) the ranks are identical and the two agree. ``--check`` compares one run against the
+real multi-process demo (see CONVERGENCE.md for the figures).
+
+    python tools/cohort_sim.py --steps 256 --ranks 2 --seeds 0 --methods allreduce,localsgd-k16 \\
+        --json runs/sim.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import flodl_opt as flo  # noqa: E402
+from flodl_opt.flat import aligned_offsets  # noqa: E402
+import train_charlm as demo  # noqa: E402
+
+COUNT_BYTES = 7 * 8  # the sync's count tensor (float64[7]) in flodl_opt.consensus
+
+
+# ----------------------------------------------------------------------------- methods
+def method_spec(name: str) -> Dict:
+    """A method name -> how its group trains. Names:
+
+    ``allreduce``, ``one-rank``, ``sync-k1``, ``localsgd-k{K}``, ``postlocal-w{W}-k{K}``,
+    ``diloco-h{H}`` (library defaults), ``diloco-h{H}-lr{LR}-m{MU}`` (explicit outer lr, momentum),
+    ``diloco-h{H}-paper`` (lr 0.7, Nesterov 0.9, no warm-up: the former defaults),
+    ``diloco-h{H}-...-wd0`` (no inner weight decay), ``slowmo-k{K}``.
+    """
+    parts = name.split("-")
+    spec = {"name": name, "kind": "local", "k": 1, "warmup": 0, "outer": None, "wd": 0.01, "ranks": None}
+    if parts[-1] == "wd0":
+        spec["wd"] = 0.0
+        parts = parts[:-1]
+    head = parts[0]
+    if head == "allreduce":
+        spec["kind"] = "allreduce"
+    elif head == "one":
+        spec.update(kind="single", ranks=1, k=10**9)
+    elif head == "sync":
+        spec["k"] = 1
+    elif head == "localsgd":
+        spec["k"] = int(parts[1][1:])
+    elif head == "postlocal":
+        spec.update(warmup=int(parts[1][1:]), k=int(parts[2][1:]))
+    elif head in ("diloco", "slowmo"):
+        spec["k"] = int(parts[1][1:])
+        kw = {}
+        rest = parts[2:]
+        if rest and rest[0].startswith("w") and rest[0][1:].isdigit():   # sync-every-step warm-up
+            spec["warmup"] = int(rest[0][1:])
+            rest = rest[1:]
+        for p in rest:
+            if p == "paper":
+                kw.update(lr=0.7, momentum=0.9, warmup=0)
+            elif p.startswith("lr"):
+                kw["lr"] = float(p[2:])
+            elif p.startswith("m"):
+                kw["momentum"] = float(p[1:])
+            elif p.startswith("ow"):
+                kw["warmup"] = int(p[2:])
+            else:
+                raise SystemExit(f"cohort_sim: unknown part {p!r} in method {name!r}")
+        spec["outer"] = (head, kw)
+    else:
+        raise SystemExit(f"cohort_sim: unknown method {name!r}")
+    return spec
+
+
+def build_outer(spec: Dict):
+    if spec["outer"] is None:
+        return None
+    head, kw = spec["outer"]
+    return flo.DiLoCo(**kw) if head == "diloco" else flo.SlowMo(**kw)
+
+
+class _Group:
+    """What an OuterOptimizer needs of a flodl_opt FlatGroup: one flat buffer."""
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat, self.numel, self.device, self.reduce_dtype = flat, flat.numel(), flat.device, flat.dtype
+
+
+# ----------------------------------------------------------------------------- batched model
+class Batched:
+    """``R`` replicas of ``demo.CharLM`` in one ``[R, N]`` buffer (N: the aligned flat size)."""
+
+    def __init__(self, models: List[torch.nn.Module], heads: int, device: torch.device):
+        ref = models[0]
+        self.names = [n for n, _ in ref.named_parameters()]
+        self.shapes = [tuple(p.shape) for _, p in ref.named_parameters()]
+        numels = [p.numel() for p in ref.parameters()]
+        self.offsets, self.numel = aligned_offsets(numels, 4)
+        self.n_params = sum(numels)
+        self.R, self.heads = len(models), heads
+        flat = torch.zeros(self.R, self.numel)
+        for r, m in enumerate(models):
+            for off, p in zip(self.offsets, m.parameters()):
+                flat[r, off:off + p.numel()] = p.detach().reshape(-1)
+        self.flat = flat.to(device).requires_grad_(True)
+        self.layers = sum(1 for n in self.names if n.endswith("ln1.weight"))
+
+    def views(self) -> Dict[str, torch.Tensor]:
+        return {n: self.flat[:, o:o + math.prod(s)].view(self.R, *s)
+                for n, o, s in zip(self.names, self.offsets, self.shapes)}
+
+    def losses(self, x: torch.Tensor, y: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Per-replica mean cross-entropy; ``x``, ``y``: ``[R', B, T]`` for replicas ``rows``."""
+        P = self.views()
+        if rows is not None:
+            P = {k: v[rows] for k, v in P.items()}
+        R, B, T = x.shape
+        V, d = P["tok.weight"].shape[1:]
+        offs = torch.arange(R, device=x.device).view(R, 1, 1) * V
+        h = P["tok.weight"].reshape(R * V, d)[x + offs] + P["pos"][:, None, :T]     # [R,B,T,d]
+        h = h.reshape(R, B * T, d)
+
+        def ln(t, name):
+            return F.layer_norm(t, (d,)) * P[name + ".weight"][:, None] + P[name + ".bias"][:, None]
+
+        def lin(t, name):
+            return torch.baddbmm(P[name + ".bias"][:, None], t, P[name + ".weight"].transpose(1, 2))
+
+        H = self.heads
+        for i in range(self.layers):
+            pre = f"blocks.{i}."
+            qkv = lin(ln(h, pre + "ln1"), pre + "qkv").view(R * B, T, 3, H, d // H).permute(2, 0, 3, 1, 4)
+            att = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+            h = h + lin(att.transpose(1, 2).reshape(R, B * T, d), pre + "proj")
+            h = h + lin(F.gelu(lin(ln(h, pre + "ln2"), pre + "mlp.0")), pre + "mlp.2")
+        logits = torch.bmm(ln(h, "ln"), P["tok.weight"].transpose(1, 2))            # [R,BT,V]
+        ce = F.cross_entropy(logits.reshape(-1, V).float(), y.reshape(-1), reduction="none")
+        return ce.view(R, -1).mean(1)
+
+
+# ----------------------------------------------------------------------------- the cohort
+ARGS = None
+
+
+def dump(result: Dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as fh:
+        json.dump(result, fh)
+    os.replace(path + ".tmp", path)
+
+
+def simulate(args) -> Dict:
+    global ARGS
+    ARGS = args
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    seeds = [int(s) for s in args.seeds.split(",")]
+    groups: List[Dict] = []
+    models = []
+    for name in args.methods.split(","):
+        spec = method_spec(name)
+        for seed in seeds:
+            m = spec["ranks"] or args.ranks
+            torch.manual_seed(seed)
+            model = demo.CharLM(256, args.d_model, args.heads, args.layers, args.context)
+            g = dict(spec, seed=seed, ranks=m, start=len(models), rows=list(range(len(models), len(models) + m)))
+            models += [model] * m
+            groups.append(g)
+    net = Batched(models, args.heads, dev)
+    R, N = net.R, net.numel
+    flat = net.flat
+    print(f"cohort_sim: {len(groups)} runs, {R} replicas of {net.n_params / 1e6:.2f}M params on {dev}, "
+          f"{args.steps} steps", flush=True)
+
+    train_data, val_data = demo.split(demo.stdlib_corpus(int(args.corpus_mb * 1e6)))
+    train_dev, val_dev = train_data.to(dev), val_data.to(dev)
+    gens = []
+    for g in groups:
+        gens += [torch.Generator().manual_seed(g["seed"] + r) for r in range(g["ranks"])]
+    vgen = torch.Generator().manual_seed(1234)
+    val_batches = [demo.batch(val_data, args.batch_size, args.context, vgen) for _ in range(args.eval_batches)]
+    ar = torch.arange(args.context + 1)
+
+    wd = torch.tensor([g["wd"] for g in groups for _ in g["rows"]], device=dev)[:, None]
+    inner = torch.optim.AdamW([flat], lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0,
+                              **({"fused": True} if dev.type == "cuda" else {}))
+
+    def lr_at(step: int) -> float:
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        return args.lr_floor + (1.0 - args.lr_floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, lr_at)
+    sync_bytes = N * 4 + COUNT_BYTES
+    grad_bytes = net.n_params * 4
+    for g in groups:
+        g.update(local_steps=0, since=0, syncs=0, bytes=0, curve=[], train_sum=0.0, train_n=0,
+                 outer_obj=build_outer(g), pg_norm=None, outer_syncs=0)
+        if g["outer_obj"] is not None:
+            g["outer_obj"].setup([_Group(flat.detach()[g["start"]].clone())])
+
+    @torch.no_grad()
+    def evaluate(step: int, t0: float) -> None:
+        vals = torch.zeros(R, device=dev)
+        for x, y in val_batches:
+            xs = x.to(dev).expand(R, *x.shape)
+            ys = y.to(dev).expand(R, *y.shape)
+            for lo in range(0, R, args.eval_chunk):
+                rows = torch.arange(lo, min(R, lo + args.eval_chunk), device=dev)
+                vals[lo:lo + len(rows)] += net.losses(xs[rows], ys[rows], rows)
+        vals = (vals / len(val_batches)).tolist()
+        sums = flat.detach()[:, :].sum(1).tolist()
+        for g in groups:
+            v = [vals[r] for r in g["rows"]]
+            pt = {"step": step, "val_loss": sum(v) / len(v),
+                  "train_loss": g["train_sum"] / g["train_n"] if g["train_n"] else float("nan"),
+                  "syncs": g["syncs"], "bytes": g["bytes"], "param_sum": sums[g["start"]],
+                  "wall_s": time.perf_counter() - t0}
+            if g["outer_obj"] is not None and g["outer_obj"].momentum:
+                pt["momentum_norm"] = float(g["outer_obj"].momentum[0].norm())
+                pt["pseudo_grad_norm"] = g["pg_norm"]
+            g["curve"].append(pt)
+            g["train_sum"], g["train_n"] = 0.0, 0
+
+    def sync(g: Dict) -> None:
+        rows = slice(g["start"], g["start"] + g["ranks"])
+        with torch.no_grad():
+            c = flat.detach()[rows].mean(0)
+            outer = g["outer_obj"]
+            if outer is not None:
+                if g["local_steps"] <= g["warmup"]:
+                    outer.anchor[0].copy_(c)          # rebase: warm-up syncs are plain averaging
+                else:
+                    g["pg_norm"] = float((outer.anchor[0] - c).norm())
+                    outer.step([_Group(c)], None, float(inner.param_groups[0]["lr"]))
+                    g["outer_syncs"] += 1
+            flat.detach()[rows] = c
+        g["syncs"] += 1
+        g["bytes"] += sync_bytes
+        g["since"] = 0
+
+    ar_groups = [g for g in groups if g["kind"] == "allreduce"]
+    local_groups = [g for g in groups if g["kind"] == "local"]
+    t0 = time.perf_counter()
+    evaluate(0, t0)
+    last_print = t0
+    for step in range(1, args.steps + 1):
+        starts = torch.stack([torch.randint(0, train_data.numel() - args.context - 1, (args.batch_size,),
+                                            generator=gen) for gen in gens])
+        seq = train_dev[(starts[..., None] + ar).to(dev)]
+        losses = net.losses(seq[..., :-1], seq[..., 1:])
+        flat.grad = None
+        losses.sum().backward()
+        grad = flat.grad
+        with torch.no_grad():
+            for g in ar_groups:   # gradient all-reduce: every rank steps on the mean gradient
+                rows = slice(g["start"], g["start"] + g["ranks"])
+                grad[rows] = grad[rows].mean(0, keepdim=True)
+            norms = grad.norm(dim=1, keepdim=True)
+            grad.mul_((1.0 / (norms + 1e-6)).clamp_(max=1.0))
+            flat.mul_(1.0 - inner.param_groups[0]["lr"] * wd)   # AdamW's decoupled decay, per run
+        inner.step()
+        sched.step()
+        lvals = losses.detach().tolist()
+        for g in groups:
+            g["train_sum"] += sum(lvals[r] for r in g["rows"]) / g["ranks"]
+            g["train_n"] += 1
+            if g["kind"] == "allreduce":
+                g["syncs"] += 1
+                g["bytes"] += grad_bytes
+        for g in local_groups:
+            g["local_steps"] += 1
+            g["since"] += 1
+            if g["local_steps"] <= g["warmup"] or g["since"] >= g["k"] or \
+                    (step == args.steps and g["since"] > 0):
+                sync(g)
+        if step % args.eval_every == 0 or step == args.steps:
+            evaluate(step, t0)
+            if args.partial and step < args.steps:
+                dump(pack(groups, net, t0, partial=True), args.json)
+        now = time.perf_counter()
+        if now - last_print > args.progress_s or step == args.steps:
+            last_print = now
+            rate = step / (now - t0)
+            print(f"  step {step}/{args.steps} | {rate:.1f} steps/s | ETA {(args.steps - step) / rate:.0f} s",
+                  flush=True)
+
+    return pack(groups, net, t0, partial=False)
+
+
+def pack(groups, net, t0, partial: bool) -> Dict:
+    args = ARGS
+    out_groups = []
+    for g in groups:
+        out_groups.append({k: g[k] for k in ("name", "kind", "k", "warmup", "wd", "seed", "ranks", "syncs",
+                                             "bytes", "curve", "outer_syncs")}
+                          | {"outer": repr(g["outer_obj"]) if g["outer_obj"] is not None else None,
+                             "final": g["curve"][-1]})
+    return {"config": {**vars(args), "params": net.n_params, "flat_numel": net.numel, "replicas": net.R,
+                       "torch": torch.__version__, "wall_s": time.perf_counter() - t0,
+                       "partial": partial},
+            "runs": out_groups}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", default="allreduce,sync-k1,localsgd-k16,diloco-h64,one-rank")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--lr-floor", type=float, default=0.1,
+                   help="cosine decay ends at this fraction of the peak lr (1.0: constant after warm-up)")
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--corpus-mb", type=float, default=2.0)
+    p.add_argument("--eval-every", type=int, default=64)
+    p.add_argument("--eval-batches", type=int, default=32)
+    p.add_argument("--eval-chunk", type=int, default=32, help="replicas per validation forward")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--progress-s", type=float, default=30.0)
+    p.add_argument("--partial", action="store_true", help="rewrite --json at every evaluation")
+    p.add_argument("--json", required=True)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = simulate(args)
+    dump(result, args.json)
+    for r in result["runs"]:
+        print(f"{r['name']:>28s} seed {r['seed']:>4d}: val {r['final']['val_loss']:.4f} "
+              f"sum {r['final']['param_sum']:.0f} syncs {r['syncs']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""The convergence study: a grid of cohorts (budget x ranks x model x method x seed) and its report.
+
+Run through ``tools/compare_convergence.py --study PLAN``. Each cell (one model, one rank count,
+one budget) is one ``tools/cohort_sim.py`` process that trains every method and seed of the cell
+as one batched model; cells run ``--jobs`` at a time. The report reads every cell's JSON under
+``--out`` and writes, per cell: mean and spread over seeds of the final validation loss, the gap to
+gradient all-reduce (paired by seed: same init and data), syncs and bytes; and a figure with the
+loss-vs-steps curves (mean over seeds) beside final loss against bytes (one point per run).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIM = os.path.join(ROOT, "tools", "cohort_sim.py")
+
+SEEDS = "0,100,200"   # far apart: seed s uses data streams s + rank
+DEMO = []             # the demo model: train_charlm's defaults
+BIG = ["--d-model", "256", "--heads", "8", "--layers", "6"]   # 4.8M params, ~10x the demo
+
+
+def base_methods(steps: int) -> List[str]:
+    return ["allreduce", "sync-k1", "localsgd-k4", "localsgd-k16", "localsgd-k64",
+            f"postlocal-w{steps // 8}-k16", "one-rank"]
+
+
+def diloco_methods(h: int, tuned: bool, defaults: bool = True) -> List[str]:
+    """Library defaults, the former defaults (the paper's), and a small outer lr x momentum grid.
+
+    A grid point whose outer optimizer equals ``DiLoCo()`` is marked as the library default in
+    the report.
+    """
+    out = ([f"diloco-h{h}"] if defaults else []) + [f"diloco-h{h}-paper"]
+    if tuned:
+        out += [f"diloco-h{h}-lr1.0-m0", f"diloco-h{h}-lr0.7-m0.5", f"diloco-h{h}-lr0.5-m0.8",
+                f"diloco-h{h}-lr1.4-m0", f"diloco-h{h}-lr1.0-m0.3", f"diloco-h{h}-lr0.7-m0.5-ow8"]
+    return out
+
+
+DIAGNOSTIC_H64 = ["diloco-h64-lr0.2-m0.9", "diloco-h64-lr0.7-m0.9-ow8", "diloco-h64-paper-wd0",
+                  "diloco-h64-w128-paper"]
+
+
+def cells(plan: str) -> List[Dict]:
+    """Named plans; each cell: tag, sim arguments."""
+    out = []
+
+    def cell(tag, model, ranks, steps, methods, extra=()):
+        every = 64 if steps <= 1024 else (128 if steps <= 4096 else 256)
+        out.append({"tag": tag, "argv": [*model, "--ranks", str(ranks), "--steps", str(steps),
+                                         "--seeds", SEEDS, "--eval-every", str(every),
+                                         "--methods", ",".join(methods), *extra]})
+
+    if plan in ("demo2", "all"):
+        for steps in (1024, 4096, 16384):
+            grid = base_methods(steps) + diloco_methods(64, True, False) + DIAGNOSTIC_H64
+            other = diloco_methods(16, True, False) + diloco_methods(256, True, False)
+            if steps == 16384:   # the longest cell in two processes that run side by side
+                cell(f"demo-r2-s{steps}-a", DEMO, 2, steps, grid)
+                cell(f"demo-r2-s{steps}-b", DEMO, 2, steps, other)
+            else:
+                cell(f"demo-r2-s{steps}", DEMO, 2, steps, grid + other)
+        cell("diag-constlr-r2-s1024", DEMO, 2, 1024, ["allreduce", "diloco-h64-paper", "diloco-h64-lr1.0-m0",
+                                                      "one-rank"], ["--lr-floor", "1.0"])
+    if plan == "final":   # the cells that test the targets with the library's defaults
+        keep = ["allreduce", "localsgd-k16", "diloco-h64", "diloco-h256", "one-rank", "diloco-h64-paper"]
+        for i, seed in enumerate(SEEDS.split(",")):   # one process per seed: they run side by side
+            cell(f"demo-r2-s16384-p{i}", DEMO, 2, 16384, keep, ["--seeds", seed])
+        cell("demo-r2-s4096", DEMO, 2, 4096, base_methods(4096) + ["diloco-h16", "diloco-h64", "diloco-h256",
+                                                                   "diloco-h64-paper"])
+        cell("demo-r4-s1024", DEMO, 4, 1024, ["allreduce", "localsgd-k16", "diloco-h64", "diloco-h64-paper",
+                                              "one-rank"])
+        cell("demo-r4-s4096", DEMO, 4, 4096, ["allreduce", "localsgd-k16", "diloco-h64", "one-rank"])
+    if plan in ("demo4", "all"):
+        for steps in (1024, 4096, 16384):
+            cell(f"demo-r4-s{steps}", DEMO, 4, steps, base_methods(steps) + diloco_methods(16, False)
+                 + diloco_methods(64, True) + diloco_methods(256, False))
+    if plan in ("big", "all"):
+        cell("big-r2-s16384", BIG, 2, 16384, ["allreduce", "localsgd-k16", "diloco-h64", "diloco-h64-paper",
+                                              "one-rank"], ["--eval-chunk", "8"])
+    if plan == "smoke":   # seconds on a CPU: the pipeline end to end
+        cell("smoke-r2-s64", ["--d-model", "32", "--layers", "1", "--eval-batches", "2"], 2, 64,
+             ["allreduce", "sync-k1", "localsgd-k16", "diloco-h16", "diloco-h16-paper", "one-rank"])
+    if not out:
+        raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, all or smoke")
+    return out
+
+
+def run_cells(plan: str, out_dir: str, jobs: int, device: str, only: str = None, timeout: float = 7200) -> None:
+    todo = [c for c in cells(plan) if not only or c["tag"] in only.split(",")]
+    os.makedirs(out_dir, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    threads = max(1, (os.cpu_count() or 1) // max(1, jobs)) if device == "cpu" else 1
+    running: List = []
+    t0 = time.perf_counter()
+    while todo or running:
+        while todo and len(running) < jobs:
+            c = todo.pop(0)
+            path = os.path.join(out_dir, c["tag"] + ".json")
+            cmd = [sys.executable, SIM, *c["argv"], "--device", device, "--threads", str(threads),
+                   "--partial", "--json", path]
+            log = open(os.path.join(out_dir, c["tag"] + ".log"), "w")
+            print(f"[{time.perf_counter() - t0:6.0f} s] start {c['tag']}", flush=True)
+            running.append((c, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        time.sleep(2)
+        for item in list(running):
+            c, proc, log = item
+            if proc.poll() is not None or time.perf_counter() - t0 > timeout:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+                log.close()
+                running.remove(item)
+                with open(log.name) as fh:
+                    tail = fh.read().strip().splitlines()[-1:] or [""]
+                print(f"[{time.perf_counter() - t0:6.0f} s] {c['tag']}: exit {proc.returncode} | {tail[0]}",
+                      flush=True)
+
+
+# ----------------------------------------------------------------------------- report
+def _cell_key(tag: str) -> str:
+    """Cells split over processes (``-a``/``-b``: by method, ``-p0``, ``-p1``, ...: by seed) merge."""
+    head, _, last = tag.rpartition("-")
+    return head if last in ("a", "b") or (last[:1] == "p" and last[1:].isdigit()) else tag
+
+
+def load(out_dir: str) -> Dict[str, Dict]:
+    """Cell tag -> {"config", "runs": {method: [per-seed run]}} (split cells merged)."""
+    merged: Dict[str, Dict] = {}
+    for path in sorted(glob.glob(os.path.join(out_dir, "*.json"))):
+        with open(path) as fh:
+            data = json.load(fh)
+        if "runs" not in data:
+            continue
+        key = _cell_key(os.path.basename(path)[:-5])
+        cell = merged.setdefault(key, {"config": data["config"], "runs": {}, "partial": False})
+        cell["partial"] |= bool(data["config"].get("partial"))
+        for r in data["runs"]:
+            cell["runs"].setdefault(r["name"], []).append(r)
+    return merged
+
+
+def label(name: str) -> str:
+    return name
+
+
+def summarize(cell: Dict) -> List[Dict]:
+    runs = cell["runs"]
+    base = {r["seed"]: r["final"]["val_loss"] for r in runs.get("allreduce", [])}
+    rows = []
+    for name, rs in runs.items():
+        finals = [r["final"]["val_loss"] for r in rs]
+        gaps = [100.0 * (r["final"]["val_loss"] - base[r["seed"]]) / base[r["seed"]]
+                for r in rs if r["seed"] in base]
+        rows.append({
+            "method": name, "seeds": len(rs), "steps": rs[0]["final"]["step"],
+            "mean": statistics.fmean(finals), "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "min": min(finals), "max": max(finals),
+            "gap_mean": statistics.fmean(gaps) if gaps else None,
+            "gap_std": statistics.stdev(gaps) if len(gaps) > 1 else None,
+            "syncs": rs[0]["syncs"], "bytes": rs[0]["bytes"],
+            "param_sum": statistics.fmean(r["final"]["param_sum"] for r in rs),
+            "outer": rs[0].get("outer"),
+        })
+    one = next((r["mean"] for r in rows if r["method"] == "one-rank"), None)
+    for r in rows:
+        r["vs_one_rank"] = None if one is None else r["mean"] - one
+    return rows
+
+
+def markdown(tag: str, cell: Dict, rows: List[Dict]) -> str:
+    cfg = cell["config"]
+    head = (f"**{tag}**: {cfg['ranks']} ranks, {cfg['params'] / 1e6:.2f}M params, {cfg['steps']} steps, "
+            f"seeds {cfg['seeds']}" + (" (PARTIAL: the run was cut short)" if cell["partial"] else ""))
+    ar_bytes = next((r["bytes"] for r in rows if r["method"] == "allreduce"), None)
+    lines = [head, "", "| method | final val loss (mean +- sd) | min..max | vs allreduce (mean +- sd, paired) "
+             "| vs one rank | syncs | MB per rank | fewer bytes | sum of params |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        gap = "-" if r["gap_mean"] is None else f"{r['gap_mean']:+.2f}% +- {r['gap_std'] or 0:.2f}"
+        vs1 = "-" if r["vs_one_rank"] is None else f"{r['vs_one_rank']:+.4f}"
+        fewer = f"{ar_bytes / r['bytes']:.0f}x" if ar_bytes and r["bytes"] else "-"
+        lines.append(f"| {label(r['method'])} | {r['mean']:.4f} +- {r['std']:.4f} | {r['min']:.4f}..{r['max']:.4f} "
+                     f"| {gap} | {vs1} | {r['syncs']} | {r['bytes'] / 1e6:.1f} | {fewer} | {r['param_sum']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(tag: str, cell: Dict, path: str, keep=None) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the PNG (pip install flodl-opt[plot])")
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
+    names = [n for n in cell["runs"] if keep is None or n in keep]
+    cmap = plt.get_cmap("tab20")
+    for i, name in enumerate(names):
+        rs = cell["runs"][name]
+        n = min(len(r["curve"]) for r in rs)
+        steps = [rs[0]["curve"][j]["step"] for j in range(n)]
+        mean = [statistics.fmean(r["curve"][j]["val_loss"] for r in rs) for j in range(n)]
+        ax1.plot(steps[1:], mean[1:], label=label(name), color=cmap(i % 20), lw=1.2)
+        xs = [max(r["final"]["bytes"], 1) / 1e6 for r in rs]
+        ax2.scatter(xs, [r["final"]["val_loss"] for r in rs], color=cmap(i % 20), s=14, label=label(name))
+    finals = [r["final"]["val_loss"] for n in names for r in cell["runs"][n]]
+    lo, hi = min(finals), max(finals)
+    ax1.set_ylim(lo - 0.05, hi + 0.4)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("validation loss (nats/byte), mean over seeds")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("MB handed to collectives per rank (log; one rank plotted at 1e-6)")
+    ax2.set_ylabel("final validation loss, one point per run")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=6, ncol=2)
+    cfg = cell["config"]
+    fig.suptitle(f"{tag}: {cfg['ranks']} ranks, {cfg['params'] / 1e6:.2f}M params, {cfg['steps']} steps, "
+                 f"seeds {cfg['seeds']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def report(out_dir: str, fig_dir: str = None) -> str:
+    cells_ = load(out_dir)
+    if not cells_:
+        raise SystemExit(f"convergence study: no cell results under {out_dir}")
+    parts, summary = [], {}
+    for tag in sorted(cells_, key=lambda t: (t.split("-")[0] != "demo", t)):
+        rows = summarize(cells_[tag])
+        summary[tag] = rows
+        parts.append(markdown(tag, cells_[tag], rows))
+        png = plot(tag, cells_[tag], os.path.join(fig_dir or out_dir, f"study_{tag}.png"))
+        if png:
+            parts.append(f"\n![{tag}]({os.path.relpath(png, ROOT)})")
+        parts.append("")
+    text = "\n".join(parts)
+    with open(os.path.join(out_dir, "study.md"), "w") as fh:
+        fh.write(text)
+    with open(os.path.join(out_dir, "study_summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    print(text)
+    return text

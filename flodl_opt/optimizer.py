@@ -465,9 +465,10 @@ class LocalSGDOptimizer(WrappedOptimizer):
     def _check_same_everywhere(self) -> None:
         """Every rank must wrap the same tensors with the same config, or the collectives misalign."""
         cfg = self.config()
-        desc = {"flat": cfg["flat"], **{k: cfg[k] for k in _STRICT_CONFIG}}
+        keys = _STRICT_CONFIG + tuple(_STREAM_CONFIG)
+        desc = {"flat": cfg["flat"], **{k: cfg[k] for k in keys}}
         summary = {"groups": [(r, d, len(s), sum(_numel(x) for x in s)) for r, d, s in cfg["flat"]],
-                   **{k: cfg[k] for k in _STRICT_CONFIG}}
+                   **{k: cfg[k] for k in keys}}
         check_same_on_every_rank(desc, summary, self.process_group,
                                  "flodl_opt: ranks wrap different models or configs",
                                  "groups are (role, dtype, tensors, elements)", "LocalSGDOptimizer")

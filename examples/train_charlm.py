@@ -61,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="carry the compression residual into the next sync (with --wire bf16/fp16/int8)")
     p.add_argument("--outer-lr", type=float, default=None, help="DiLoCo/SlowMo outer lr (default: theirs)")
     p.add_argument("--outer-momentum", type=float, default=None, help="DiLoCo/SlowMo outer momentum")
+    p.add_argument("--fragments", type=int, default=1,
+                   help="P: sync 1/P of the model at a time, staggered by K/P steps (streaming)")
+    p.add_argument("--overlap-steps", type=int, default=0,
+                   help="tau < K/P: keep training tau steps while a sync is in flight, then merge")
     p.add_argument("--steps", type=int, default=512, help="optimizer steps per rank")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW lr (cosine decay to 10%%)")
@@ -186,7 +190,8 @@ def build_optimizer(args, model: nn.Module):
     # The one-line wrap: any torch optimizer becomes local SGD with a consensus every K steps.
     opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=args.sync_every, outer=outer,
                                 warmup_steps=args.warmup_syncs, max_grad_norm=1.0, lr_scheduler=sched,
-                                wire=args.wire, error_feedback=args.error_feedback)
+                                wire=args.wire, error_feedback=args.error_feedback,
+                                fragments=args.fragments, overlap_steps=args.overlap_steps)
     return opt, None
 
 
@@ -226,10 +231,12 @@ def train(args) -> dict:
     say(f"charlm: {world} rank(s) on {flo.backend()}, {n_params / 1e6:.2f}M params, "
         f"{train_data.numel() / 1e6:.2f}M train / {val_data.numel() / 1e6:.2f}M val bytes, "
         + ("mode=allreduce (gradients averaged every step)" if args.mode == "allreduce"
-           else f"sync_every={args.sync_every} outer={args.outer} wire={args.wire}"))
+           else f"sync_every={args.sync_every} outer={args.outer} wire={args.wire}"
+           + (f" fragments={args.fragments} overlap_steps={args.overlap_steps}"
+              if args.fragments > 1 or args.overlap_steps > 0 else "")))
 
     curve, collectives, comm_bytes, syncs = [], 0, 0, 0
-    last_seen, divergence = None, None
+    last_seen, divergence, seen_count = None, None, 0
     train_sum, train_n = 0.0, 0
     t0 = time.perf_counter()
     tokens_per_step = args.batch_size * args.context * world
@@ -246,13 +253,16 @@ def train(args) -> dict:
         return point
 
     def count_sync() -> None:
-        nonlocal collectives, comm_bytes, syncs, last_seen, divergence
+        nonlocal collectives, comm_bytes, syncs, last_seen, divergence, seen_count
         stats = getattr(opt, "last_sync", None)
         if stats is not None and stats is not last_seen:
             last_seen = stats
-            syncs += 1 if world > 1 else 0  # a world of one syncs with nobody
-            collectives += stats.collectives
-            comm_bytes += stats.bytes
+            # opt.sync() with fragments syncs each of them (near-equal bytes): count them all.
+            n = max(1, opt.sync_count - seen_count)
+            seen_count = opt.sync_count
+            syncs += n if world > 1 else 0  # a world of one syncs with nobody
+            collectives += n * stats.collectives
+            comm_bytes += n * stats.bytes
             divergence = stats.divergence
 
     record(0)
@@ -275,7 +285,8 @@ def train(args) -> dict:
             count_sync()
         train_sum += loss.item()
         train_n += 1
-        if step == args.steps and args.mode == "localsgd" and opt.steps_since_sync > 0:
+        streaming = args.fragments > 1 or args.overlap_steps > 0  # fragments may be out of step
+        if step == args.steps and args.mode == "localsgd" and (opt.steps_since_sync > 0 or streaming):
             opt.sync()  # end on the consensus
             count_sync()
         if step % args.print_every == 0 or step % args.eval_every == 0 or step == args.steps:

@@ -96,6 +96,7 @@ class SyncStats:
     bytes: int = 0                 # bytes this rank handed to collectives
     collectives: int = 0           # collectives issued
     outer: Optional[str] = None    # outer step applied, if any
+    fragment: Optional[int] = None  # streaming syncs: the fragment synced (flodl_opt/streaming.py)
 
     def as_dict(self) -> dict:
         return asdict(self)

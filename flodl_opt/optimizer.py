@@ -5,6 +5,10 @@ The data path of one ``step()``::
     clip (global norm)  ->  inner step  ->  scheduler step  ->  count  ->  every K steps: sync
     sync = count -> reduce (one fused in-place collective per flat buffer) -> readout -> outer step
 
+With ``fragments=P`` / ``overlap_steps=tau`` (flodl_opt/streaming.py) the sync is per fragment:
+``count -> snapshot + async reduce`` at the fragment's step, then ``tau`` steps later
+``wait -> readout -> outer step -> merge`` (``W <- G + (W - S)``).
+
 Example (``torchrun --nproc-per-node 2 train.py``, or ``python train.py`` for one rank)::
 
     import torch, flodl_opt as flo
@@ -37,11 +41,14 @@ from .flat import FlatGroup, pack, signature, unique
 from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
 from .stall import DEFAULT_STALL_WARNING_S, StallWatchdog
 from .wire import DEFAULT_WIRE_BLOCK, make_wire, wire_config
+from .streaming import Schedule, StreamingSync
 
 STATE_KEY = "flodl_opt"
 STATE_VERSION = 1
 # Config that must agree between a checkpoint and the optimizer loading it, and across ranks.
 _STRICT_CONFIG = ("sync_every", "warmup_steps", "gamma", "outer", "wire")
+# Must agree even with strict=False (a checkpoint may hold a fragment in flight); absent = default.
+_STREAM_CONFIG = {"fragments": 1, "overlap_steps": 0}
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -78,21 +85,31 @@ class LocalSGDOptimizer(WrappedOptimizer):
         wire_block: elements per int8 scale (``wire="int8"``).
         error_feedback: carry each rank's quantization residual into its next sync (compressed
             wires only; the residual is in ``state_dict``).
+        fragments: P, sync the model a fragment (~1/P of the bytes, whole tensors in layer order)
+            at a time, fragment p at the steps ``t % K == p*K/P`` (``K % P == 0``).
+        overlap_steps: tau < K/P, keep training tau steps while a fragment's sync is in flight,
+            then merge it as ``W <- G + (W - S)`` (flodl_opt/streaming.py). Defaults (1, 0)
+            are the blocking sync, bit for bit.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[nn.Module] = None,
                  sync_every: int = 16, warmup_steps: int = 0, outer: OuterSpec = None,
                  max_grad_norm: Optional[float] = None, lr_scheduler: Any = None,
                  gamma: float = 1.0, process_group: Optional[dist.ProcessGroup] = None, *,
-                 broadcast_initial: bool = True, keep_presync: bool = True,
+                 fragments: int = 1, overlap_steps: int = 0, broadcast_initial: bool = True, keep_presync: bool = True,
                  nonfinite_guard: bool = True, gloo_chunk_bytes: int = DEFAULT_GLOO_CHUNK_BYTES,
                  stall_warning_s: Optional[float] = DEFAULT_STALL_WARNING_S,
                  wire: str = "fp32", wire_block: int = DEFAULT_WIRE_BLOCK, error_feedback: bool = False):
         _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma)
+        _validate_stream(fragments, overlap_steps, sync_every, warmup_steps, keep_presync)
         self._wire = make_wire(wire, wire_block, error_feedback)  # None: the float32 reduce
         if self._wire is not None and not broadcast_initial:
             raise ConfigError(f"flodl_opt: wire={wire!r} sends differences from an anchor every rank "
                               "must hold bit for bit: drop broadcast_initial=False")
+        if self._wire is not None and (fragments > 1 or overlap_steps > 0):
+            raise ConfigError(f"flodl_opt: wire={wire!r} is not supported with fragments/overlap_steps "
+                              "yet (streaming syncs send float32): use wire='fp32', or fragments=1 and "
+                              "overlap_steps=0")
         launch.ensure_init()
         # Share the inner optimizer's param_groups and state (flodl_opt/wrapping.py).
         self._share(optimizer)
@@ -101,6 +118,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         self.sync_every, self.warmup_steps = int(sync_every), int(warmup_steps)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.lr_scheduler, self.gamma = lr_scheduler, float(gamma)
+        self.fragments, self.overlap_steps = int(fragments), int(overlap_steps)
         self.outer: OuterOptimizer = make_outer(outer)
         if self.outer.needs_deltas and not keep_presync:
             raise ConfigError(f"outer={self.outer.name!r} needs the pre-sync copy: "
@@ -133,6 +151,16 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self._wire.bind(self._param_groups_flat, self.outer.anchor if self.outer.needs_anchor else None,
                             group_size, self._rank, process_group)
             self._consensus.wire = self._wire
+        self._stream: Optional[StreamingSync] = None  # None: the blocking sync
+        if self.fragments > 1 or self.overlap_steps > 0:
+            self._stream = StreamingSync(
+                self._param_groups_flat, self._params, self._buffer_groups_flat, float_buffers,
+                self.outer, self.sync_every, self.fragments, self.overlap_steps, process_group,
+                group_size, self._rank, launch.backend(), gamma=self.gamma,
+                nonfinite_guard=nonfinite_guard, gloo_chunk_bytes=gloo_chunk_bytes,
+                inner_lr=lambda: self.optimizer.param_groups[0]["lr"],
+                on_nonfinite=self._reset_nonfinite_inner_state, waiting=self._waiting)
+            self._stream.setup_outer()
         # CUDA: packing copied every tensor into its flat buffer on the current stream and freed
         # the old storage, which the caching allocator may hand to another stream at once; the
         # anchor copies above are queued too. Let them land before any stream touches the params.
@@ -218,7 +246,11 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self._train_stream = _stream_key(self._cuda_index)
         self._local_steps += 1
         self._steps_since_sync += 1
-        if self._local_steps <= self.warmup_steps or self._steps_since_sync >= self.sync_every:
+        if self._stream is not None:  # per fragment: issue (count + async reduce) / merge when due
+            if self._stream.schedule.issue_at(self._stream.clock + 1) is not None:
+                self._check_before_sync()
+            self._record(self._stream.on_step(worked=True, active=True))
+        elif self._local_steps <= self.warmup_steps or self._steps_since_sync >= self.sync_every:
             self._sync()
         return loss
 
@@ -230,6 +262,15 @@ class LocalSGDOptimizer(WrappedOptimizer):
         for g in self._param_groups_flat + self._buffer_groups_flat:
             g.check_bound()
         train = self._fence_before_sync()
+        if self._stream is not None:  # merge what is in flight, then every fragment, blocking
+            try:
+                self._check_model_params()
+                self._record(self._stream.sync_all(active=not self._joined))
+            finally:
+                if train is not None:
+                    train.wait_stream(torch.cuda.current_stream(train.device))
+            assert self.last_sync is not None
+            return self.last_sync
         try:
             stats = self._run_consensus(self._steps_since_sync, self._sync_count + 1,
                                         active=not self._joined)             # count -> reduce -> readout
@@ -243,6 +284,24 @@ class LocalSGDOptimizer(WrappedOptimizer):
                 train.wait_stream(torch.cuda.current_stream(train.device))
         self.last_sync = stats
         return stats
+
+    def _record(self, done: List[SyncStats]) -> None:
+        """Counters after streaming syncs: global steps from fragment 0 (each step counted once)."""
+        for stats in done:
+            self._sync_count += 1
+            if stats.fragment == 0:
+                self._global_steps += stats.cohort_steps
+            self.last_sync = stats
+        if done and self._stream is not None:
+            self._steps_since_sync = self._stream.since[0]
+
+    def _check_before_sync(self) -> None:
+        for g in self._param_groups_flat + self._buffer_groups_flat:
+            g.check_bound()
+        self._check_model_params()
+
+    def _waiting(self, sync_number: int):
+        return self._stall.waiting(sync_number) if self._stall is not None else contextlib.nullcontext()
 
     def _fence_before_sync(self) -> Optional["torch.cuda.Stream"]:
         """Order a sync issued on another CUDA stream after the last inner step's kernels.
@@ -291,6 +350,20 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self._sync()
             return
         self._joined = True
+        if self._stream is not None:
+            # Tick the schedule without training, answering every fragment sync with zero work,
+            # until a merge shows no active rank (same totals everywhere: same tick); then end
+            # on a full consensus.
+            try:
+                while True:
+                    done = self._stream.on_step(worked=False, active=False)
+                    self._record(done)
+                    if any(s.active == 0 for s in done):
+                        break
+                self._sync()
+            finally:
+                self._joined = False
+            return
         try:
             while True:
                 stats = self._sync()
@@ -338,6 +411,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
     # ------------------------------------------------------------ checkpoints
     def config(self) -> Dict[str, Any]:
         return {"sync_every": self.sync_every, "warmup_steps": self.warmup_steps, "gamma": self.gamma,
+                "fragments": self.fragments, "overlap_steps": self.overlap_steps,
                 "outer": self.outer.name, "outer_config": self.outer.config(),
                 "max_grad_norm": self.max_grad_norm,
                 "wire": self._wire.config() if self._wire is not None else wire_config(),
@@ -346,6 +420,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
 
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
         """The inner optimizer's state dict plus everything flodl_opt needs, under ``"flodl_opt"``."""
+        if self._stream is not None:
+            self._stream.drain()  # a fragment in flight is saved reduced; it merges on schedule
         sd = self.optimizer.state_dict()
         sd[STATE_KEY] = {
             "version": STATE_VERSION,
@@ -357,6 +433,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
         }
         if self._wire is not None:
             sd[STATE_KEY]["wire"] = self._wire.state_dict()
+        if self._stream is not None:
+            sd[STATE_KEY]["stream"] = self._stream.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
@@ -373,6 +451,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
                               "tensors' shapes or dtypes differ); build the same model before loading")
         keys = ("outer", "wire") if not strict else _STRICT_CONFIG
         diff = {k: (saved[k], now[k]) for k in keys if saved[k] != now[k]}
+        diff.update({k: (saved.get(k, d), now[k]) for k, d in _STREAM_CONFIG.items()
+                     if saved.get(k, d) != now[k]})
         if diff:
             raise ConfigError(f"flodl_opt: the checkpoint's config differs from this optimizer's "
                               f"(saved, now): {diff}; build it with the saved values, or pass "
@@ -387,6 +467,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self.lr_scheduler.load_state_dict(ours["lr_scheduler"])
         if self._wire is not None:
             self._wire.load_state_dict(ours.get("wire"))
+        if self._stream is not None:
+            self._stream.load_state_dict(ours["stream"])
 
     # ------------------------------------------------------------ counters
     @property
@@ -410,9 +492,10 @@ class LocalSGDOptimizer(WrappedOptimizer):
     def _check_same_everywhere(self) -> None:
         """Every rank must wrap the same tensors with the same config, or the collectives misalign."""
         cfg = self.config()
-        desc = {"flat": cfg["flat"], **{k: cfg[k] for k in _STRICT_CONFIG}}
+        keys = _STRICT_CONFIG + tuple(_STREAM_CONFIG)
+        desc = {"flat": cfg["flat"], **{k: cfg[k] for k in keys}}
         summary = {"groups": [(r, d, len(s), sum(_numel(x) for x in s)) for r, d, s in cfg["flat"]],
-                   **{k: cfg[k] for k in _STRICT_CONFIG}}
+                   **{k: cfg[k] for k in keys}}
         check_same_on_every_rank(desc, summary, self.process_group,
                                  "flodl_opt: ranks wrap different models or configs",
                                  "groups are (role, dtype, tensors, elements)", "LocalSGDOptimizer")
@@ -458,6 +541,23 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def _validate_stream(fragments, overlap_steps, sync_every, warmup_steps, keep_presync) -> None:
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+        raise ConfigError(f"fragments must be an int >= 1 (1 = sync the whole model at once), got {fragments!r}")
+    if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or overlap_steps < 0:
+        raise ConfigError(f"overlap_steps must be an int >= 0 (0 = blocking syncs), got {overlap_steps!r}")
+    if fragments == 1 and overlap_steps == 0:
+        return
+    if warmup_steps:
+        raise ConfigError("fragments/overlap_steps do not combine with warmup_steps (warm-up syncs the "
+                          "whole model every step): use warmup_steps=0, or run the warm-up with a "
+                          "blocking optimizer and load its state")
+    if not keep_presync:
+        raise ConfigError("fragments/overlap_steps always keep a send snapshot (2/P of the synced "
+                          "bytes): drop keep_presync=False")
+    Schedule(sync_every, fragments, overlap_steps)  # K % P == 0 and tau < K/P, or ConfigError
 
 
 def _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma) -> None:

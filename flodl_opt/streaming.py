@@ -1,0 +1,516 @@
+"""Streaming syncs: the model synced a fragment at a time, each sync optionally hidden behind training.
+
+``LocalSGDOptimizer(..., fragments=P, overlap_steps=tau)`` hands its syncs to :class:`StreamingSync`:
+
+* **Fragments.** The synced tensors are split, in layer order and on tensor boundaries, into ``P``
+  contiguous fragments of about equal bytes (float buffers are split the same way, on their own).
+  Fragment ``p`` is synced every ``K = sync_every`` steps, at the steps ``t`` with
+  ``t % K == p * K/P`` (``K % P == 0`` is required), so one sync moves ~1/P of the bytes and the
+  peak bandwidth drops by ``P``. Each fragment keeps its own work count (the steps since *its*
+  last sync) and its own outer state: slices of the outer optimizer's flat anchor and momentum.
+* **Overlap.** At its step the fragment is copied into a send snapshot (the live weights keep
+  training), scaled by this rank's work mass and handed to asynchronous collectives (Gloo
+  ``async_op``; NCCL runs them on its own stream, ordered after the inner step by stream order).
+  Training goes on for ``tau`` steps; then the result is waited for and merged.
+* **The merge** (delayed update): with ``S`` the snapshot sent, ``C`` the consensus of the
+  snapshots, ``G = outer(C)`` (DiLoCo/SlowMo step on the fragment's anchor and momentum, or
+  ``G = C``) and ``W`` the local weights now, ``W <- G + (W - S)``. The ``tau`` local steps made
+  during the flight are kept, on top of the new global point, as if the sync had happened
+  instantly and the same steps were taken after it. Streaming DiLoCo's mix
+  ``(1 - alpha) G + alpha W`` instead throws away ``1 - alpha`` of those steps and pulls the
+  fragment ``alpha`` of the way back to its stale local point; the delayed update keeps every
+  step and with ``tau = 0`` is exactly the blocking sync (``W = S``, so ``W <- G``).
+* Everything (fragments, offsets, issue and merge steps) follows from the config and the step
+  counter, never from timing, so every rank issues the same collectives in the same order.
+
+At most one fragment is in flight (``tau < K/P``). ``drain()`` waits for it without merging, so a
+checkpoint taken mid-flight saves the reduced result and the merge happens at the same step after
+a resume (bit-exact). A collective that fails leaves the live weights as they were (nothing of the
+failed consensus is written), gives the fragment its steps back and raises ``SyncError``.
+
+Example (2 ranks, ``torchrun --nproc-per-node 2 train.py``)::
+
+    opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model,
+                                sync_every=16, outer="diloco", fragments=4, overlap_steps=2)
+    for x, y in batches:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    opt.sync()   # drain, then sync every fragment: the ranks end identical
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .consensus import SyncStats, gamma_mass
+from .errors import ConfigError, NonFiniteError, SyncError
+from .flat import FlatGroup
+from .outer import DiLoCo, OuterAvg, OuterOptimizer, SlowMo
+
+_BLOCK = 1 << 18  # elements per block of the fused local passes (1 MiB of float32 stays in cache)
+
+
+# ------------------------------------------------------------------ fragments
+@dataclass(frozen=True)
+class Slice:
+    """Elements ``[start, end)`` of one flat buffer (``index`` into the param or buffer groups)."""
+
+    index: int
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Fragment:
+    """A run of whole tensors, as at most one slice per flat buffer."""
+
+    params: List[Slice] = field(default_factory=list)
+    buffers: List[Slice] = field(default_factory=list)
+    tensors: int = 0
+    bytes: int = 0   # bytes one sync of this fragment reduces
+
+
+def _runs(groups: Sequence[FlatGroup], order: Sequence[torch.Tensor], parts: int,
+          allow_empty: bool) -> List[List[Slice]]:
+    """Split ``order`` (tensors in layer order) into ``parts`` contiguous runs of ~equal bytes."""
+    where: Dict[int, Tuple[int, int, int]] = {}   # id -> (group index, start, end incl. padding)
+    for gi, g in enumerate(groups):
+        for k, (t, off) in enumerate(zip(g.tensors, g.offsets)):
+            end = g.offsets[k + 1] if k + 1 < len(g.offsets) else g.numel
+            where[id(t)] = (gi, off, end)
+    items = [where[id(t)] for t in order if id(t) in where]
+    if not allow_empty and len(items) < parts:
+        raise ConfigError(f"fragments={parts} is more than the {len(items)} synced param tensors: a "
+                          "fragment is made of whole tensors; use fragments <= the number of tensors")
+    sizes = [(e - s) * groups[gi].reduce_dtype.itemsize for gi, s, e in items]
+    total = sum(sizes)
+    # Cut after the tensor whose cumulative bytes come nearest each p/P of the total, keeping at
+    # least one tensor per fragment (when there are enough).
+    cuts: List[int] = []
+    prefix = [0]
+    for n in sizes:
+        prefix.append(prefix[-1] + n)
+    for p in range(1, parts):
+        target = total * p / parts
+        lo = (cuts[-1] if cuts else 0) + (0 if allow_empty else 1)
+        hi = len(items) - (0 if allow_empty else parts - p)
+        best = min(range(lo, max(lo, hi) + 1), key=lambda c: (abs(prefix[c] - target), c))
+        cuts.append(best)
+    bounds = [0] + cuts + [len(items)]
+    runs: List[List[Slice]] = []
+    for p in range(parts):
+        by_group: Dict[int, List[int]] = {}
+        for gi, s, e in items[bounds[p]:bounds[p + 1]]:
+            r = by_group.get(gi)
+            if r is None:
+                by_group[gi] = [s, e]
+                continue
+            if s != r[1]:  # tensors of one dtype in layer order are adjacent in their buffer
+                raise AssertionError("fragment is not contiguous in its flat buffer")
+            r[1] = e
+        runs.append([Slice(gi, s, e) for gi, (s, e) in sorted(by_group.items())])
+    return runs
+
+
+def split_fragments(param_groups: Sequence[FlatGroup], params: Sequence[torch.Tensor],
+                    buffer_groups: Sequence[FlatGroup], buffers: Sequence[torch.Tensor],
+                    parts: int) -> List[Fragment]:
+    """``parts`` fragments of about equal bytes, on tensor boundaries, in layer order."""
+    p_runs = _runs(param_groups, params, parts, allow_empty=False)
+    b_runs = _runs(buffer_groups, buffers, parts, allow_empty=True) if buffer_groups else [[]] * parts
+    frags = []
+    for pr, br in zip(p_runs, b_runs):
+        n = sum(1 for s in pr for off in param_groups[s.index].offsets if s.start <= off < s.end)
+        nbytes = sum(s.numel * param_groups[s.index].reduce_dtype.itemsize for s in pr) + \
+            sum(s.numel * buffer_groups[s.index].reduce_dtype.itemsize for s in br)
+        frags.append(Fragment(list(pr), list(br), n, nbytes))
+    return frags
+
+
+# ------------------------------------------------------------------ schedule
+class Schedule:
+    """Which fragment is issued at step ``t`` and when it is merged: config and counter only.
+
+    Fragment ``p`` is issued at every step ``t >= 1`` with ``t % K == p * K/P`` and merged
+    ``tau`` steps later (in the same ``step()`` when ``tau == 0``).
+    """
+
+    def __init__(self, sync_every: int, fragments: int, overlap_steps: int):
+        if sync_every % fragments:
+            raise ConfigError(f"sync_every={sync_every} must be a multiple of fragments={fragments} "
+                              "(fragment p is synced at offset p*sync_every/fragments)")
+        self.period, self.parts, self.tau = sync_every, fragments, overlap_steps
+        self.stride = sync_every // fragments
+        if not 0 <= overlap_steps < self.stride:
+            raise ConfigError(f"overlap_steps={overlap_steps} must be >= 0 and < sync_every/fragments "
+                              f"= {self.stride} (one fragment in flight at a time)")
+
+    def issue_at(self, t: int) -> Optional[int]:
+        if t < 1:
+            return None
+        r = t % self.period
+        return r // self.stride if r % self.stride == 0 else None
+
+    def offset(self, p: int) -> int:
+        return p * self.stride
+
+
+# ------------------------------------------------------------------ one sync in flight
+@dataclass
+class _Flight:
+    fragment: int
+    sync: int
+    issued_at: int
+    merge_at: int
+    steps: int
+    nonfinite: bool
+    pre_sq: float
+    count: torch.Tensor
+    works: list
+    t_issue_ms: float
+    local_steps: int = 0      # real steps this rank took since the issue
+    done: bool = False        # collectives finished (waited, or restored from a checkpoint)
+    active: bool = True       # this rank had not joined (uneven data) when it issued
+    collectives: int = 0
+
+
+class _Proxy:
+    """What OuterOptimizer.step needs of a flat group (``flat``, ``numel``, ``device``)."""
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat, self.numel, self.device = flat, flat.numel(), flat.device
+
+
+def check_outer(outer: OuterOptimizer) -> None:
+    """The outer optimizers that work on slices of their flat state (block-local updates)."""
+    elementwise = type(outer).step in (OuterOptimizer.step, SlowMo.step, OuterAvg.step)
+    if not isinstance(outer, (OuterAvg, DiLoCo, SlowMo)) and not (elementwise and not outer.needs_deltas):
+        raise ConfigError(f"fragments/overlap_steps work with outer=None/'avg', 'diloco' or 'slowmo' "
+                          f"(per-fragment slices of the outer state); outer={outer.name!r} is not "
+                          "supported with them: use fragments=1, overlap_steps=0")
+    if outer.needs_deltas:
+        raise ConfigError(f"outer={outer.name!r} needs W_i - C per rank; not supported with "
+                          "fragments/overlap_steps")
+    if outer.resets_inner:
+        raise ConfigError("DiLoCo(reset_inner=True) clears the whole inner state at every outer step; "
+                          "with fragments/overlap_steps each fragment steps on its own: use "
+                          "reset_inner=False")
+
+
+class StreamingSync:
+    """Issues, waits for and merges fragment syncs on the schedule. Used by LocalSGDOptimizer.
+
+    One interface: ``on_step(worked, active)`` at every step (issue / merge when due),
+    ``drain()`` (wait for what is in flight, merge nothing), ``sync_all(active)`` (drain, merge,
+    then a blocking sync of every fragment), ``state_dict()`` / ``load_state_dict()``.
+
+    Example (what LocalSGDOptimizer does; ``groups`` are its flat param groups)::
+
+        stream = StreamingSync(groups, params, [], [], outer, sync_every=16, fragments=4,
+                               overlap_steps=2, group=None, world_size=1, rank=0, backend="gloo")
+        for t in range(32):
+            ...  # inner step
+            for stats in stream.on_step(worked=True, active=True):
+                print(stats.fragment, stats.sync)
+    """
+
+    def __init__(self, param_groups: Sequence[FlatGroup], params: Sequence[torch.Tensor],
+                 buffer_groups: Sequence[FlatGroup], buffers: Sequence[torch.Tensor],
+                 outer: OuterOptimizer, sync_every: int, fragments: int, overlap_steps: int,
+                 group: Optional[dist.ProcessGroup], world_size: int, rank: int, backend: str,
+                 gamma: float = 1.0, nonfinite_guard: bool = True, readout: bool = True,
+                 gloo_chunk_bytes: int = 64 << 20,
+                 inner_lr: Callable[[], float] = lambda: 0.0,
+                 on_nonfinite: Optional[Callable[[int], None]] = None,
+                 waiting: Optional[Callable[[int], ContextManager]] = None):
+        check_outer(outer)
+        self.schedule = Schedule(sync_every, fragments, overlap_steps)
+        self.param_groups, self.buffer_groups = list(param_groups), list(buffer_groups)
+        self.fragments = split_fragments(param_groups, params, buffer_groups, buffers, fragments)
+        self.outer = outer
+        self.group, self.world_size, self.rank, self.backend = group, world_size, rank, backend
+        self.distributed = world_size > 1
+        self.gamma, self.nonfinite_guard, self.readout = gamma, nonfinite_guard, readout
+        self.gloo_chunk_bytes = gloo_chunk_bytes
+        self.inner_lr, self.on_nonfinite, self.waiting = inner_lr, on_nonfinite, waiting
+        dev = param_groups[0].device if param_groups else torch.device("cpu")
+        self.comm_device = dev if backend == "nccl" else torch.device("cpu")
+        # Persistent per-fragment buffers (float32 for narrow dtypes): ``sent`` the snapshot,
+        # ``buf`` what is reduced. Both 1/P of the synced bytes; allocated once.
+        self._sent: List[List[torch.Tensor]] = []
+        self._buf: List[List[torch.Tensor]] = []
+        for f in self.fragments:
+            lives = self._live(f)
+            self._sent.append([torch.empty(v.numel(), dtype=_rdt(v), device=v.device) for v in lives])
+            self._buf.append([torch.empty(v.numel(), dtype=_rdt(v), device=v.device) for v in lives])
+        self._outers: List[OuterOptimizer] = []
+        self.clock = 0                               # steps of the schedule (a joined rank ticks too)
+        self.since = [0] * fragments                 # real steps since each fragment's last issue
+        self.syncs = 0                               # fragment syncs merged
+        self.pending: Optional[_Flight] = None
+
+    def setup_outer(self) -> None:
+        """Per-fragment views of the outer state (call after ``outer.setup``)."""
+        self._outers = []
+        for f in self.fragments:
+            o = copy.copy(self.outer)  # shares config; its state lists become views of the full state
+            o.anchor = [self.outer.anchor[s.index][s.start:s.end] for s in f.params] if self.outer.anchor else []
+            o.momentum = [self.outer.momentum[s.index][s.start:s.end] for s in f.params] \
+                if self.outer.momentum else []
+            self._outers.append(o)
+
+    # -------------------------------------------------------------- views
+    def _live(self, f: Fragment) -> List[torch.Tensor]:
+        return [self.param_groups[s.index].flat[s.start:s.end] for s in f.params] + \
+               [self.buffer_groups[s.index].flat[s.start:s.end] for s in f.buffers]
+
+    # -------------------------------------------------------------- the interface
+    def on_step(self, worked: bool, active: bool) -> List[SyncStats]:
+        """One tick of the schedule after an inner step (``worked``) or a joined rank's idle tick."""
+        self.clock += 1
+        if worked:
+            self.since = [n + 1 for n in self.since]
+            if self.pending is not None:
+                self.pending.local_steps += 1
+        out: List[SyncStats] = []
+        if self.pending is not None and self.clock >= self.pending.merge_at:
+            out += self._merge_checked()
+        p = self.schedule.issue_at(self.clock)
+        if p is not None:
+            self._issue(p, active)
+            if self.schedule.tau == 0:
+                out += self._merge_checked()
+        return out
+
+    def drain(self) -> None:
+        """Wait for the collectives in flight; the merge stays at its scheduled step."""
+        f = self.pending
+        if f is None or f.done:
+            return
+        try:
+            self._wait(f)
+        except Exception as exc:
+            self._fail(f, exc)
+
+    def sync_all(self, active: bool) -> List[SyncStats]:
+        """Merge what is in flight now, then sync every fragment, blocking: ranks end identical."""
+        out: List[SyncStats] = []
+        if self.pending is not None:
+            out += self._merge_checked()
+        for p in range(len(self.fragments)):
+            self._issue(p, active)
+            out += self._merge_checked(recover=False)
+        return out
+
+    # -------------------------------------------------------------- issue
+    def _issue(self, p: int, active: bool) -> None:
+        t0 = time.perf_counter()
+        frag = self.fragments[p]
+        steps = self.since[p]
+        self.since[p] = 0
+        mass = gamma_mass(steps, self.gamma)
+        mover = 1.0 if steps > 0 else 0.0
+        n_params = len(frag.params)
+        sent, buf, lives = self._sent[p], self._buf[p], self._live(frag)
+        with torch.no_grad():
+            # One pass, block by block: snapshot, scaled send copy and (params) the snapshot's norm.
+            squares = []
+            for k, (live, s, b) in enumerate(zip(lives, sent, buf)):
+                factor = mass if k < n_params else mover  # buffers: equal weight among movers
+                for i in range(0, live.numel(), _BLOCK):
+                    j = min(live.numel(), i + _BLOCK)
+                    s[i:j].copy_(live[i:j])
+                    torch.mul(s[i:j], factor, out=b[i:j])
+                    if k < n_params:
+                        squares.append(_sq(s[i:j]))
+            sq = float(torch.stack([q.double() for q in squares]).sum()) if squares else 0.0
+            nonfinite = self.nonfinite_guard and not math.isfinite(sq)
+            if nonfinite:  # no vote: exact zeros (0 * NaN is NaN)
+                mass = mover = 0.0
+                for b in buf:
+                    b.zero_()
+            number = self.syncs + 1
+            count = torch.tensor([mass, mover, float(active), float(nonfinite), float(steps),
+                                  float(number), float(number) ** 2], dtype=torch.float64,
+                                 device=self.comm_device)
+        flight = _Flight(p, number, self.clock, self.clock + self.schedule.tau, steps, nonfinite, sq,
+                         count, [], 0.0, active=active)
+        self.pending = flight
+        if self.distributed:
+            try:
+                flight.works.append(dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.group,
+                                                    async_op=True))
+                for b in buf:
+                    step = b.numel() if self.backend == "nccl" else \
+                        max(1, self.gloo_chunk_bytes // b.element_size())
+                    for i in range(0, b.numel(), step):
+                        flight.works.append(dist.all_reduce(b[i:i + step], op=dist.ReduceOp.SUM,
+                                                            group=self.group, async_op=True))
+            except Exception as exc:
+                self._fail(flight, exc)
+            flight.collectives = len(flight.works)
+        else:
+            flight.done = True
+        flight.t_issue_ms = (time.perf_counter() - t0) * 1e3
+
+    # -------------------------------------------------------------- wait / merge
+    def _wait(self, f: _Flight) -> None:
+        if self.waiting is None:
+            for w in f.works:
+                w.wait()
+        else:
+            with self.waiting(f.sync):
+                for w in f.works:
+                    w.wait()
+        f.works, f.done = [], True
+
+    def _fail(self, f: _Flight, exc: BaseException) -> None:
+        # The live weights were never written: they are the pre-merge values. Give the steps back.
+        self.pending = None
+        self.since[f.fragment] += f.steps
+        raise SyncError(self.rank, f.sync, exc, True) from exc
+
+    def _merge_checked(self, recover: bool = True) -> List[SyncStats]:
+        f_active = self.pending.active if self.pending is not None else True
+        stats = self._merge()
+        out = [stats]
+        if recover and stats.nonfinite_ranks > 0:
+            # A rank that went NaN/Inf is NaN everywhere after its next backward: one fragment
+            # adopted alone would be re-poisoned. The totals are the same on every rank, so every
+            # rank runs this blocking recovery sync of all fragments alike.
+            out += self.sync_all(active=f_active)
+        return out
+
+    def _merge(self) -> SyncStats:
+        f = self.pending
+        assert f is not None
+        t0 = time.perf_counter()
+        if not f.done:
+            try:
+                self._wait(f)
+            except Exception as exc:
+                self._fail(f, exc)
+        self.pending = None
+        frag = self.fragments[f.fragment]
+        totals = f.count.tolist()
+        mass, movers, active, nonfinite_ranks, cohort_steps, snum, snum_sq = totals
+        if self.world_size * snum_sq != snum * snum:
+            self.since[f.fragment] += f.steps
+            raise ConfigError(
+                f"flodl_opt: ranks disagree on the sync number (this is rank {self.rank}'s sync "
+                f"#{f.sync}): the ranks resumed from different checkpoints or state dicts. Load the "
+                "same checkpoint on every rank, or call opt.load_state_dict on all of them.")
+        stats = SyncStats(sync=f.sync, steps=f.steps, cohort_steps=int(cohort_steps), total_mass=mass,
+                          movers=int(movers), active=int(active), nonfinite=f.nonfinite,
+                          nonfinite_ranks=int(nonfinite_ranks),
+                          collectives=f.collectives, fragment=f.fragment)
+        stats.bytes = frag.bytes + f.count.numel() * 8 if self.distributed else 0
+        self.syncs += 1
+        if mass <= 0.0:
+            if nonfinite_ranks > 0:
+                raise NonFiniteError(f"every rank that moved has non-finite params in fragment "
+                                     f"{f.fragment} ({int(nonfinite_ranks)} of {self.world_size}); "
+                                     "refusing to average garbage. Lower the learning rate, enable "
+                                     "max_grad_norm, or resume from the last checkpoint.")
+            stats.skipped = True  # the whole cohort idle for this fragment: nothing changes
+            stats.ms = f.t_issue_ms + (time.perf_counter() - t0) * 1e3
+            return stats
+        n_params = len(frag.params)
+        sent, buf = self._sent[f.fragment], self._buf[f.fragment]
+        lives = self._live(frag)
+        with torch.no_grad():
+            post, diff = [], []
+            for k, b in enumerate(buf):  # consensus C = sum_i m_i S_i / sum_j m_j
+                b.div_(mass if k < n_params else movers)
+            if self.readout:
+                for s, b in zip(sent[:n_params], buf[:n_params]):
+                    for i in range(0, b.numel(), _BLOCK):
+                        j = min(b.numel(), i + _BLOCK)
+                        post.append(_sq(b[i:j]))
+                        diff.append(_sq(b[i:j] - s[i:j]))
+            if self._outers and not isinstance(self.outer, OuterAvg):
+                self._outers[f.fragment].step([_Proxy(b) for b in buf[:n_params]], None,
+                                              float(self.inner_lr()))
+                stats.outer = self.outer.name
+            for k, (live, s, b) in enumerate(zip(lives, sent, buf)):
+                if f.local_steps == 0 or f.nonfinite:
+                    live.copy_(b)  # no steps in flight (or NaN ones): exactly the blocking result
+                elif live.dtype in (torch.float32, torch.float64):
+                    torch.sub(b, s, out=s)  # G - S; the snapshot is spent
+                    live.add_(s)            # W <- W + (G - S)
+                else:
+                    torch.sub(b, s, out=s)
+                    live.copy_(s.add_(live))  # in float32, rounded once
+        if self.readout and post:
+            post_sq = float(torch.stack([q.double() for q in post]).sum())
+            diff_sq = float(torch.stack([q.double() for q in diff]).sum())
+            stats.post_norm = math.sqrt(post_sq)
+            stats.pre_norm = None if f.nonfinite else math.sqrt(f.pre_sq)
+            stats.divergence = math.sqrt(diff_sq) / stats.post_norm if stats.post_norm > 1e-12 else 0.0
+        m = 0.0 if f.nonfinite else gamma_mass(f.steps, self.gamma)
+        stats.weight = m / mass
+        if f.nonfinite and self.on_nonfinite is not None:
+            self.on_nonfinite(f.sync)
+        stats.ms = f.t_issue_ms + (time.perf_counter() - t0) * 1e3
+        return stats
+
+    # -------------------------------------------------------------- checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Counters and, if a fragment is in flight, its finished result (call ``drain()`` first)."""
+        sd: Dict[str, Any] = {"clock": self.clock, "since": list(self.since), "syncs": self.syncs,
+                              "pending": None,
+                              # each fragment's own outer step count (DiLoCo's warm-up depends on it)
+                              "outer_steps": [getattr(o, "steps", None) for o in self._outers]}
+        f = self.pending
+        if f is not None:
+            assert f.done, "drain() before state_dict()"
+            sd["pending"] = {
+                "fragment": f.fragment, "sync": f.sync, "issued_at": f.issued_at, "merge_at": f.merge_at,
+                "steps": f.steps, "nonfinite": f.nonfinite, "pre_sq": f.pre_sq,
+                "count": f.count.detach().cpu().clone(), "local_steps": f.local_steps,
+                "sent": [t.detach().clone() for t in self._sent[f.fragment]],
+                "buf": [t.detach().clone() for t in self._buf[f.fragment]],
+            }
+        return sd
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        self.clock, self.since, self.syncs = int(sd["clock"]), list(sd["since"]), int(sd["syncs"])
+        if len(self.since) != len(self.fragments):
+            raise ConfigError("flodl_opt: the checkpoint's streaming state has "
+                              f"{len(self.since)} fragments, this optimizer {len(self.fragments)}")
+        for o, n in zip(self._outers, sd.get("outer_steps") or []):
+            if n is not None:
+                o.steps = int(n)
+        self.pending = None
+        p = sd.get("pending")
+        if p is None:
+            return
+        k = p["fragment"]
+        with torch.no_grad():
+            for dst, src in zip(self._sent[k] + self._buf[k], p["sent"] + p["buf"]):
+                if dst.shape != src.shape:
+                    raise ConfigError("flodl_opt: the checkpoint's in-flight fragment does not match "
+                                      "this model's fragments")
+                dst.copy_(src)
+        self.pending = _Flight(k, p["sync"], p["issued_at"], p["merge_at"], p["steps"], p["nonfinite"],
+                               p["pre_sq"], p["count"].to(self.comm_device), [], 0.0,
+                               local_steps=p["local_steps"], done=True)
+
+
+def _rdt(t: torch.Tensor) -> torch.dtype:
+    return t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _sq(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype in (torch.float32, torch.float64):
+        return torch.dot(t, t)
+    return torch.linalg.vector_norm(t, dtype=torch.float32).square()

@@ -96,6 +96,8 @@ class SyncStats:
     bytes: int = 0                 # bytes this rank handed to collectives
     collectives: int = 0           # collectives issued
     outer: Optional[str] = None    # outer step applied, if any
+    next_every: Optional[int] = None     # K: local steps until the next sync (after warm-up)
+    cohort_divergence: Optional[float] = None  # sync_every="auto": RMS divergence of the cohort
 
     def as_dict(self) -> dict:
         return asdict(self)

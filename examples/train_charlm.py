@@ -17,8 +17,10 @@ baseline (model averaging every step); ``--mode allreduce`` averages gradients e
 when ``flodl_opt.DistributedOptimizer`` is available.
 
 Validation is measured on the same fixed windows for every run. When ``--eval-every`` is a multiple
-of ``--sync-every`` each evaluation sees the consensus weights (it follows a sync); the run always
-ends with a sync, so the final validation loss is the consensus model's.
+of ``--sync-every`` each evaluation sees the consensus weights (it follows a sync); otherwise (say
+``--sync-every auto``) it evaluates the mean of the ranks' weights, computed aside for the metric
+only (not counted as communication, training untouched). The run always ends with a sync, so the
+final validation loss is the consensus model's.
 """
 from __future__ import annotations
 
@@ -247,7 +249,18 @@ def train(args) -> dict:
 
     def record(step: int) -> dict:
         nonlocal train_sum, train_n
+        local = args.mode == "localsgd" and world > 1 and opt.steps_since_sync > 0
+        if local:  # between syncs (sync_every auto): evaluate the ranks' mean, training untouched
+            with torch.no_grad():
+                kept = [p.detach().clone() for p in model.parameters()]
+                for p in model.parameters():  # metrics only, like the loss reduction: not counted
+                    dist.all_reduce(p.data)
+                    p.data.div_(world)
         val_loss, train_loss = evaluate(model, val_data, args, rank, world, train_sum, train_n, dev)
+        if local:
+            with torch.no_grad():
+                for p, k in zip(model.parameters(), kept):
+                    p.data.copy_(k)
         train_sum, train_n = 0.0, 0
         point = {"step": step, "train_loss": train_loss, "val_loss": val_loss, "syncs": syncs,
                  "collectives": collectives, "bytes": comm_bytes, "divergence": divergence,

@@ -334,3 +334,17 @@ def test_int_sync_every_keeps_its_collectives_and_results():
         # an int K issues no extra collective; "auto" one tiny 24-byte SUM per sync
         assert b.collectives == a.collectives + 1 and b.bytes == a.bytes + 24
         assert a.cohort_divergence is None and b.cohort_divergence is not None
+
+
+# ---------------------------------------------------------------- the char-LM demo
+def test_charlm_demo_accepts_auto_and_reports_k(tmp_path):
+    from test_examples import TINY, run_example
+    log = tmp_path / "curve.json"
+    out = run_example(["--nproc", "2", "--steps", "16", "--sync-every", "auto", "--auto-target", "0.01",
+                       "--eval-every", "8", "--print-every", "8", *TINY, "--log", str(log)])
+    assert "| K " in out
+    res = __import__("json").loads(log.read_text())
+    ks = [p["sync_every"] for p in res["curve"][1:] if p["syncs"]]
+    assert ks and all(isinstance(k, int) and 2 <= k <= 256 for k in ks)
+    a, b = res["final"]["param_checksums"]
+    assert a == b  # ends on the consensus

@@ -246,8 +246,9 @@ class LocalSGDOptimizer(WrappedOptimizer):
         ``stats.skipped`` comes from the shared totals, so every rank takes part here, or none.
         """
         c = self._consensus
-        drift = share_drift(stats.divergence, stats.steps, self.process_group, c.distributed,
-                            c.comm_device, self._rank, stats.sync)
+        with self._stall.waiting(stats.sync) if self._stall is not None else contextlib.nullcontext():
+            drift = share_drift(stats.divergence, stats.steps, self.process_group, c.distributed,
+                                c.comm_device, self._rank, stats.sync)
         if c.distributed:
             stats.collectives += 1
             stats.bytes += DRIFT_BYTES

@@ -64,7 +64,8 @@ def plan(args) -> List[Dict]:
         if args.auto_target is not None:
             argv += ["--auto-target", str(args.auto_target)]
         runs.append({"name": "auto", "label": "local SGD, K auto", "k": "auto", "argv": argv})
-    elif has_allreduce() and not args.no_allreduce:
+        return runs
+    if has_allreduce() and not args.no_allreduce:
         runs.append({"name": "allreduce", "label": "sync: gradient allreduce every step", "k": 1,
                      "argv": ["--mode", "allreduce"]})
     runs += [{"name": "sync-k1", "label": "sync: model averaging every step (K=1)", "k": 1,

@@ -17,8 +17,10 @@ baseline (model averaging every step); ``--mode allreduce`` averages gradients e
 when ``flodl_opt.DistributedOptimizer`` is available.
 
 Validation is measured on the same fixed windows for every run. When ``--eval-every`` is a multiple
-of ``--sync-every`` each evaluation sees the consensus weights (it follows a sync); the run always
-ends with a sync, so the final validation loss is the consensus model's.
+of ``--sync-every`` each evaluation sees the consensus weights (it follows a sync); otherwise (say
+``--sync-every auto``) it evaluates the mean of the ranks' weights, computed aside for the metric
+only (not counted as communication, training untouched). The run always ends with a sync, so the
+final validation loss is the consensus model's.
 """
 from __future__ import annotations
 
@@ -51,7 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("localsgd", "allreduce"), default="localsgd",
                    help="localsgd: LocalSGDOptimizer; allreduce: gradients averaged every step "
                         "(flodl_opt.DistributedOptimizer)")
-    p.add_argument("--sync-every", type=int, default=16, help="K: local steps between syncs")
+    p.add_argument("--sync-every", type=_sync_every, default=16,
+                   help="K: local steps between syncs, or 'auto' (flodl_opt.AdaptiveSync picks K)")
+    p.add_argument("--auto-target", type=float, default=None,
+                   help="with --sync-every auto: the divergence target (default: AdaptiveSync's)")
     p.add_argument("--warmup-syncs", type=int, default=0,
                    help="sync after every step for the first N steps (post-local SGD), then every K")
     p.add_argument("--outer", choices=("avg", "diloco", "slowmo", "easgd"), default="avg")
@@ -83,6 +88,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="write the loss curve and totals to this JSON file (under torchrun spell it "
                         "--log-json: torchrun's own parser takes --log as ambiguous)")
     return p.parse_args(argv)
+
+
+def _sync_every(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sync-every takes an int >= 1 or 'auto', got {text!r}")
 
 
 # ----------------------------------------------------------------------------- data
@@ -187,8 +201,11 @@ def build_optimizer(args, model: nn.Module):
         if args.outer_momentum is not None:
             kw["momentum"] = args.outer_momentum
         outer = cls(**kw)
+    sync_every = args.sync_every
+    if sync_every == "auto" and args.auto_target is not None:
+        sync_every = flo.AdaptiveSync(target=args.auto_target)
     # The one-line wrap: any torch optimizer becomes local SGD with a consensus every K steps.
-    opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=args.sync_every, outer=outer,
+    opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=sync_every, outer=outer,
                                 warmup_steps=args.warmup_syncs, max_grad_norm=1.0, lr_scheduler=sched,
                                 wire=args.wire, error_feedback=args.error_feedback,
                                 fragments=args.fragments, overlap_steps=args.overlap_steps)
@@ -236,7 +253,7 @@ def train(args) -> dict:
               if args.fragments > 1 or args.overlap_steps > 0 else "")))
 
     curve, collectives, comm_bytes, syncs = [], 0, 0, 0
-    last_seen, divergence, seen_count = None, None, 0
+    last_seen, divergence, seen_count, next_every = None, None, 0, None
     train_sum, train_n = 0.0, 0
     t0 = time.perf_counter()
     tokens_per_step = args.batch_size * args.context * world
@@ -244,16 +261,28 @@ def train(args) -> dict:
 
     def record(step: int) -> dict:
         nonlocal train_sum, train_n
+        local = args.mode == "localsgd" and world > 1 and opt.steps_since_sync > 0
+        if local:  # between syncs (sync_every auto): evaluate the ranks' mean, training untouched
+            with torch.no_grad():
+                kept = [p.detach().clone() for p in model.parameters()]
+                for p in model.parameters():  # metrics only, like the loss reduction: not counted
+                    dist.all_reduce(p.data)
+                    p.data.div_(world)
         val_loss, train_loss = evaluate(model, val_data, args, rank, world, train_sum, train_n, dev)
+        if local:
+            with torch.no_grad():
+                for p, k in zip(model.parameters(), kept):
+                    p.data.copy_(k)
         train_sum, train_n = 0.0, 0
         point = {"step": step, "train_loss": train_loss, "val_loss": val_loss, "syncs": syncs,
-                 "collectives": collectives, "bytes": comm_bytes,
+                 "collectives": collectives, "bytes": comm_bytes, "divergence": divergence,
+                 "sync_every": next_every,
                  "tokens": step * tokens_per_step, "wall_s": time.perf_counter() - t0}
         curve.append(point)
         return point
 
     def count_sync() -> None:
-        nonlocal collectives, comm_bytes, syncs, last_seen, divergence, seen_count
+        nonlocal collectives, comm_bytes, syncs, last_seen, divergence, seen_count, next_every
         stats = getattr(opt, "last_sync", None)
         if stats is not None and stats is not last_seen:
             last_seen = stats
@@ -263,7 +292,9 @@ def train(args) -> dict:
             syncs += n if world > 1 else 0  # a world of one syncs with nobody
             collectives += n * stats.collectives
             comm_bytes += n * stats.bytes
-            divergence = stats.divergence
+            if stats.divergence is not None:
+                divergence = stats.divergence
+            next_every = getattr(stats, "next_every", None)  # K chosen for the next period
 
     record(0)
     say(f"step {0:5d} | val {curve[-1]['val_loss']:.4f}")
@@ -296,6 +327,8 @@ def train(args) -> dict:
                     f"| {comm_bytes / 1e6:8.2f} MB sent")
             if divergence is not None:
                 line += f" | div {divergence:.2e}"
+            if args.sync_every == "auto" and next_every is not None:
+                line += f" | K {next_every}"
             if step % args.eval_every == 0 or step == args.steps:
                 p = record(step)
                 line += f" | val {p['val_loss']:.4f}"

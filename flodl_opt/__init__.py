@@ -8,6 +8,7 @@ an outer optimizer step (DiLoCo, SlowMo, EASGD).
     flo.init()
     opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, sync_every=16)
 """
+from .adaptive import AdaptiveSync
 from .consensus import SyncStats
 from .checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
 from .errors import ConfigError, NonFiniteError, NonFiniteWarning, SyncError
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "device",
-    "backend", "launch_info", "LocalSGDOptimizer", "SyncStats", "OuterOptimizer", "OuterAvg",
+    "backend", "launch_info", "LocalSGDOptimizer", "AdaptiveSync", "SyncStats", "OuterOptimizer", "OuterAvg",
     "DiLoCo", "SlowMo", "EASGD", "TorchOuter", "SyncError", "ConfigError",
     "NonFiniteError", "NonFiniteWarning", "save_checkpoint", "load_checkpoint", "wait_checkpoint",
     "DistributedOptimizer", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "allreduce",

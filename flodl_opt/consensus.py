@@ -97,6 +97,8 @@ class SyncStats:
     collectives: int = 0           # collectives issued
     outer: Optional[str] = None    # outer step applied, if any
     fragment: Optional[int] = None  # streaming syncs: the fragment synced (flodl_opt/streaming.py)
+    next_every: Optional[int] = None     # K: local steps until the next sync (after warm-up)
+    cohort_divergence: Optional[float] = None  # sync_every="auto": RMS divergence of the cohort
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -1,4 +1,5 @@
 """Exceptions raised by flodl_opt."""
+from typing import Optional
 
 
 class SyncError(RuntimeError):
@@ -9,10 +10,12 @@ class SyncError(RuntimeError):
     where and why.
     """
 
-    def __init__(self, rank: int, sync: int, cause: BaseException, restored: bool):
+    def __init__(self, rank: int, sync: int, cause: BaseException, restored: bool,
+                 state: Optional[str] = None):
         self.rank, self.sync, self.cause, self.restored = rank, sync, cause, restored
-        state = ("params and buffers restored to their pre-sync values" if restored else
-                 "params may be partially averaged (keep_presync=False)")
+        if state is None:
+            state = ("params and buffers restored to their pre-sync values" if restored else
+                     "params may be partially averaged (keep_presync=False)")
         super().__init__(f"flodl_opt: sync #{sync} failed on rank {rank}: "
                          f"{type(cause).__name__}: {cause}; {state}. A peer died, hung, or did not "
                          "call this sync (every rank must call step()/sync() alike). Exit and "

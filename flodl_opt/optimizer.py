@@ -27,13 +27,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import ddp, launch
+from .adaptive import DRIFT_BYTES, AdaptiveSync, make_adaptive, share_drift
 from .consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
 from .wrapping import WrappedOptimizer, check_same_on_every_rank
 from .errors import ConfigError, NonFiniteWarning
@@ -64,7 +65,9 @@ class LocalSGDOptimizer(WrappedOptimizer):
         optimizer: an already built torch optimizer (its ``param_groups`` are shared, not copied).
         model: the model (or its DDP wrapper). Its float buffers (BatchNorm running stats) ride the
             sync, and its trainable params are checked against the optimizer's.
-        sync_every: K, local steps between syncs (>= 1; K=1 is synchronous model averaging).
+        sync_every: K, local steps between syncs (>= 1; K=1 is synchronous model averaging), or
+            ``"auto"`` / an ``AdaptiveSync(...)``: K chosen after each sync from the cohort's
+            all-reduced divergence, identically on every rank (flodl_opt/adaptive.py).
         warmup_steps: sync after every step for the first N steps (post-local SGD).
         outer: ``None``/``"avg"``, ``"diloco"``, ``"slowmo"``, ``"easgd"``, an ``OuterOptimizer``,
             or a callable building a torch optimizer from a list of tensors.
@@ -93,7 +96,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[nn.Module] = None,
-                 sync_every: int = 16, warmup_steps: int = 0, outer: OuterSpec = None,
+                 sync_every: Union[int, str, AdaptiveSync] = 16, warmup_steps: int = 0,
+                 outer: OuterSpec = None,
                  max_grad_norm: Optional[float] = None, lr_scheduler: Any = None,
                  gamma: float = 1.0, process_group: Optional[dist.ProcessGroup] = None, *,
                  fragments: int = 1, overlap_steps: int = 0, broadcast_initial: bool = True, keep_presync: bool = True,
@@ -101,7 +105,15 @@ class LocalSGDOptimizer(WrappedOptimizer):
                  stall_warning_s: Optional[float] = DEFAULT_STALL_WARNING_S,
                  wire: str = "fp32", wire_block: int = DEFAULT_WIRE_BLOCK, error_feedback: bool = False):
         _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma)
-        _validate_stream(fragments, overlap_steps, sync_every, warmup_steps, keep_presync)
+        self._adaptive: Optional[AdaptiveSync] = make_adaptive(sync_every)
+        if self._adaptive is not None and not keep_presync:
+            raise ConfigError("sync_every='auto' decides from the divergence readout, which needs the "
+                              "pre-sync copy: drop keep_presync=False or pass an int sync_every")
+        if self._adaptive is not None and (fragments > 1 or overlap_steps > 0):
+            raise ConfigError("sync_every='auto' is not supported with fragments/overlap_steps yet: "
+                              "pass an int sync_every, or fragments=1 and overlap_steps=0")
+        _validate_stream(fragments, overlap_steps, self._adaptive.every if self._adaptive is not None
+                         else sync_every, warmup_steps, keep_presync)
         self._wire = make_wire(wire, wire_block, error_feedback)  # None: the float32 reduce
         if self._wire is not None and not broadcast_initial:
             raise ConfigError(f"flodl_opt: wire={wire!r} sends differences from an anchor every rank "
@@ -115,7 +127,9 @@ class LocalSGDOptimizer(WrappedOptimizer):
         self._share(optimizer)
 
         self.model = model
-        self.sync_every, self.warmup_steps = int(sync_every), int(warmup_steps)
+        # sync_every is the period in effect now; "auto" updates it after every sync.
+        self.sync_every = self._adaptive.every if self._adaptive is not None else int(sync_every)
+        self.warmup_steps = int(warmup_steps)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.lr_scheduler, self.gamma = lr_scheduler, float(gamma)
         self.fragments, self.overlap_steps = int(fragments), int(overlap_steps)
@@ -196,7 +210,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
                           "add the param group to the inner optimizer before wrapping it")
 
     def __repr__(self) -> str:
-        return (f"LocalSGDOptimizer({type(self.optimizer).__name__}, sync_every={self.sync_every}, "
+        every = self._adaptive if self._adaptive is not None else self.sync_every
+        return (f"LocalSGDOptimizer({type(self.optimizer).__name__}, sync_every={every}, "
                 f"warmup_steps={self.warmup_steps}, outer={self.outer!r}, gamma={self.gamma}, "
                 f"max_grad_norm={self.max_grad_norm})")
 
@@ -279,6 +294,9 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self._steps_since_sync = 0
             if not stats.skipped:
                 self._outer_step(stats)
+                if self._adaptive is not None:
+                    self._next_period(stats)
+            stats.next_every = self.sync_every
         finally:
             if train is not None:  # the next forward on the training stream comes after the sync
                 train.wait_stream(torch.cuda.current_stream(train.device))
@@ -302,6 +320,21 @@ class LocalSGDOptimizer(WrappedOptimizer):
 
     def _waiting(self, sync_number: int):
         return self._stall.waiting(sync_number) if self._stall is not None else contextlib.nullcontext()
+
+    def _next_period(self, stats: SyncStats) -> None:
+        """sync_every="auto": the next K from one tiny SUM of the ranks' readouts, never local data.
+
+        ``stats.skipped`` comes from the shared totals, so every rank takes part here, or none.
+        """
+        c = self._consensus
+        with self._waiting(stats.sync):
+            drift = share_drift(stats.divergence, stats.steps, self.process_group, c.distributed,
+                                c.comm_device, self._rank, stats.sync)
+        if c.distributed:
+            stats.collectives += 1
+            stats.bytes += DRIFT_BYTES
+        stats.cohort_divergence = drift.divergence if drift.reporters else None
+        self.sync_every = self._adaptive.next_period(drift)
 
     def _fence_before_sync(self) -> Optional["torch.cuda.Stream"]:
         """Order a sync issued on another CUDA stream after the last inner step's kernels.
@@ -410,7 +443,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
 
     # ------------------------------------------------------------ checkpoints
     def config(self) -> Dict[str, Any]:
-        return {"sync_every": self.sync_every, "warmup_steps": self.warmup_steps, "gamma": self.gamma,
+        every = self._adaptive.config() if self._adaptive is not None else self.sync_every
+        return {"sync_every": every, "warmup_steps": self.warmup_steps, "gamma": self.gamma,
                 "fragments": self.fragments, "overlap_steps": self.overlap_steps,
                 "outer": self.outer.name, "outer_config": self.outer.config(),
                 "max_grad_norm": self.max_grad_norm,
@@ -435,6 +469,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
             sd[STATE_KEY]["wire"] = self._wire.state_dict()
         if self._stream is not None:
             sd[STATE_KEY]["stream"] = self._stream.state_dict()
+        if self._adaptive is not None:
+            sd[STATE_KEY]["adaptive"] = self._adaptive.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
@@ -469,6 +505,9 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self._wire.load_state_dict(ours.get("wire"))
         if self._stream is not None:
             self._stream.load_state_dict(ours["stream"])
+        if self._adaptive is not None and ours.get("adaptive") is not None:
+            self._adaptive.load_state_dict(ours["adaptive"])
+            self.sync_every = self._adaptive.every
 
     # ------------------------------------------------------------ counters
     @property
@@ -568,8 +607,7 @@ def _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_sche
         raise ConfigError("LocalSGDOptimizer is already wrapped; wrap the inner optimizer once")
     if model is not None and not isinstance(model, nn.Module):
         raise ConfigError(f"model must be an nn.Module (or its DDP wrapper), got {type(model).__name__}")
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ConfigError(f"sync_every must be an int >= 1 (local steps between syncs), got {sync_every!r}")
+    make_adaptive(sync_every)  # raises on anything but an int >= 1, "auto" or an AdaptiveSync
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ConfigError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or

@@ -13,6 +13,14 @@ steps, batch, seed and data with:
   ``localsgd-k16-<wire>`` and ``diloco-h64-<wire>``, the same runs sending bf16/fp16/int8
   differences; compare each with its float32 twin (same seed, same data).
 
+``--adaptive`` runs the adaptive-period study instead: plain averaging with a fixed K of 4, 16
+and 64 against ``--sync-every auto`` (``flodl_opt.AdaptiveSync``), over ``--seeds`` (e.g.
+``0,1,2``; one directory per seed under ``--out``). It prints the seed-mean table and whether
+auto's loss-vs-bytes point dominates the fixed-K frontier, and writes ``adaptive.png``.
+
+    nice -n 15 python tools/compare_convergence.py --adaptive --seeds 0,1,2 --steps 512 \
+        --out runs/adaptive
+
 It collects each run's final validation loss (consensus weights, same fixed windows for all runs),
 param syncs, collectives and bytes each rank handed to collectives, and writes a table (stdout,
 ``table.md`` and ``summary.json``) and ``convergence.png``: validation loss against steps and
@@ -52,6 +60,14 @@ def has_allreduce() -> bool:
 def plan(args) -> List[Dict]:
     """The runs: name, label, arguments for train_charlm, and its sync period."""
     runs = []
+    if args.adaptive:
+        runs = [{"name": f"k{k}", "label": f"local SGD, K={k}", "k": k,
+                 "argv": ["--sync-every", str(k), "--outer", "avg"]} for k in (4, 16, 64)]
+        argv = ["--sync-every", "auto", "--outer", "avg"]
+        if args.auto_target is not None:
+            argv += ["--auto-target", str(args.auto_target)]
+        runs.append({"name": "auto", "label": "local SGD, K auto", "k": "auto", "argv": argv})
+        return runs
     if has_allreduce() and not args.no_allreduce:
         runs.append({"name": "allreduce", "label": "sync: gradient allreduce every step", "k": 1,
                      "argv": ["--mode", "allreduce"]})
@@ -79,7 +95,8 @@ def plan(args) -> List[Dict]:
     for spec in args.run:
         name, _, rest = spec.partition("=")
         argv = rest.split()
-        k = int(argv[argv.index("--sync-every") + 1]) if "--sync-every" in argv else 16
+        k = argv[argv.index("--sync-every") + 1] if "--sync-every" in argv else "16"
+        k = int(k) if k.isdigit() else k
         runs.append({"name": name, "label": name, "k": k, "argv": argv})
     if args.only:
         keep = args.only.split(",")
@@ -188,6 +205,122 @@ def plot(runs: List[Dict], results: List[Dict], path: str) -> Optional[str]:
     return path
 
 
+def _mean(xs: List[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _std(xs: List[float]) -> float:
+    m = _mean(xs)
+    return (sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5
+
+
+def _frontier_loss(points: List[tuple], at_bytes: float) -> Optional[float]:
+    """Fixed-K frontier (bytes, loss) interpolated linearly in log(bytes); None outside it."""
+    import math
+    pts = sorted(points)
+    for (b0, l0), (b1, l1) in zip(pts, pts[1:]):
+        if b0 <= at_bytes <= b1:
+            t = (math.log(at_bytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
+            return l0 + t * (l1 - l0)
+    return None
+
+
+def adaptive_summary(runs: List[Dict], per_seed: List[List[Dict]], seeds: List[int]):
+    """Seed-mean table of the fixed K against auto, and the dominance verdict."""
+    rows = []
+    for i, run in enumerate(runs):
+        finals = [res[i]["final"] for res in per_seed]
+        ks = [p.get("sync_every") for res in per_seed for p in res[i]["curve"][1:]]
+        rows.append({"run": run["name"], "label": run["label"],
+                     "val_loss": _mean([f["val_loss"] for f in finals]),
+                     "val_loss_std": _std([f["val_loss"] for f in finals]),
+                     "per_seed": [f["val_loss"] for f in finals],
+                     "syncs": _mean([f["syncs"] for f in finals]),
+                     "bytes": _mean([f["bytes"] for f in finals]),
+                     "k_range": [min(k for k in ks if k), max(k for k in ks if k)]
+                     if run["k"] == "auto" and any(ks) else None})
+    fixed = [r for r in rows if r["run"] != "auto"]
+    auto = next((r for r in rows if r["run"] == "auto"), None)
+    lines = ["| run | final val loss (mean of %d seeds) | std | per seed | syncs | MB sent per rank |"
+             % len(seeds), "|---|---:|---:|---|---:|---:|"]
+    for r in rows:
+        label = r["label"] + (f" (K {r['k_range'][0]}..{r['k_range'][1]})" if r["k_range"] else "")
+        lines.append(f"| {label} | {r['val_loss']:.4f} | {r['val_loss_std']:.4f} | "
+                     + " / ".join(f"{v:.4f}" for v in r["per_seed"])
+                     + f" | {r['syncs']:.1f} | {r['bytes'] / 1e6:.1f} |")
+    verdict = {}
+    if auto is not None and fixed:
+        reach = [r for r in fixed if r["val_loss"] <= auto["val_loss"]]
+        best = min(reach, key=lambda r: r["bytes"]) if reach else None
+        at = _frontier_loss([(r["bytes"], r["val_loss"]) for r in fixed], auto["bytes"])
+        verdict = {
+            "cheapest_fixed_reaching_auto_loss": best["run"] if best else None,
+            "bytes_saved_x": best["bytes"] / auto["bytes"] if best else None,
+            "frontier_loss_at_auto_bytes": at,
+            "dominates": (best is None or auto["bytes"] < best["bytes"]) and
+                         (at is None or auto["val_loss"] < at),
+        }
+        lines.append("")
+        if best:
+            lines.append(f"auto reaches {auto['val_loss']:.4f}: the cheapest fixed K that reaches it is "
+                         f"{best['label']} with {best['bytes'] / auto['bytes']:.2f}x auto's bytes")
+        else:
+            lines.append(f"auto's {auto['val_loss']:.4f} is lower than every fixed K's final loss")
+        if at is not None:
+            lines.append(f"fixed-K frontier at auto's {auto['bytes'] / 1e6:.1f} MB (log-bytes "
+                         f"interpolation): {at:.4f} vs auto {auto['val_loss']:.4f}")
+        lines.append(f"auto dominates the fixed-K frontier: {'yes' if verdict['dominates'] else 'no'}")
+    return "\n".join(lines), rows, verdict
+
+
+def plot_adaptive(runs: List[Dict], per_seed: List[List[Dict]], path: str) -> Optional[str]:
+    """Seed-mean validation loss against steps, bytes, and the K auto picked."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the PNG (pip install flodl-opt[plot])")
+        return None
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for i, run in enumerate(runs):
+        curves = [res[i]["curve"] for res in per_seed]
+        n = min(len(c) for c in curves)
+        steps = [curves[0][j]["step"] for j in range(n)]
+        val = [_mean([c[j]["val_loss"] for c in curves]) for j in range(n)]
+        mb = [_mean([c[j]["bytes"] for c in curves]) / 1e6 for j in range(n)]
+        style = dict(marker=".", lw=2.5 if run["k"] == "auto" else 1.5)
+        ax1.plot(steps, val, label=run["label"], **style)
+        ax2.plot(mb[1:], val[1:], label=run["label"], **style)
+        ks = [[c[j].get("sync_every") or run["k"] for c in curves] for j in range(1, n)]
+        if run["k"] == "auto":
+            for s in range(len(curves)):
+                ax3.plot(steps[1:], [k[s] for k in ks], marker=".", alpha=0.7, label=f"auto, seed {s}")
+        else:
+            ax3.axhline(run["k"], ls=":", color="gray")
+    cfg = per_seed[0][0]["config"]
+    for ax in (ax1, ax2):
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.grid(alpha=0.3)
+    ax1.set_xlabel("step")
+    ax1.set_ylim(None, 3.0)
+    ax2.set_ylim(None, 3.0)
+    ax2.set_xlabel("MB handed to collectives per rank (log)")
+    ax2.set_xscale("log")
+    ax3.set_xlabel("step")
+    ax3.set_ylabel("K in effect at the evaluation")
+    ax3.set_yscale("log", base=2)
+    ax3.grid(alpha=0.3)
+    ax1.legend(fontsize="small")
+    ax3.legend(fontsize="small")
+    fig.suptitle(f"adaptive sync period, char LM: {cfg['world_size']} ranks, {cfg['steps']} steps, "
+                 f"mean of {len(per_seed)} seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: List[str] = []
@@ -200,6 +333,12 @@ def main(argv=None) -> None:
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None, metavar="S1,S2,...",
+                   help="run every configuration once per seed (one directory per seed under --out)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="the adaptive-period study: fixed K 4/16/64 against --sync-every auto")
+    p.add_argument("--auto-target", type=float, default=None,
+                   help="with --adaptive: the AdaptiveSync target of the auto run")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "convergence"))
     p.add_argument("--slowmo", action="store_true", help="also run SlowMo K=16")
     p.add_argument("--diloco", action="append", default=[], metavar="LR:MOMENTUM",
@@ -241,6 +380,30 @@ def main(argv=None) -> None:
         return
 
     runs = plan(args)
+    if args.seeds:
+        seeds, root = [int(s) for s in args.seeds.split(",")], args.out
+        per_seed = []
+        for n, seed in enumerate(seeds):
+            args.seed, args.out = seed, os.path.join(root, f"seed{seed}")
+            os.makedirs(args.out, exist_ok=True)
+            print(f"\n=== seed {seed} ({n + 1}/{len(seeds)})", flush=True)
+            per_seed.append([run_one(r, args, extra) for r in runs])
+        args.out = root
+        text, rows, verdict = adaptive_summary(runs, per_seed, seeds)
+        cfg = per_seed[0][0]["config"]
+        setup = (f"{cfg['world_size']} ranks ({cfg['backend']}), {cfg['params'] / 1e6:.2f}M params, "
+                 f"batch {cfg['batch_size']} per rank, {cfg['steps']} steps, seeds {args.seeds}, "
+                 f"torch {cfg['torch']}")
+        print(f"\n{setup}\n\n{text}")
+        png = plot_adaptive(runs, per_seed, os.path.join(root, "adaptive.png"))
+        with open(os.path.join(root, "table.md"), "w") as fh:
+            fh.write(f"{setup}\n\n{text}\n")
+        with open(os.path.join(root, "summary.json"), "w") as fh:
+            json.dump({"setup": setup, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+                       "rows": rows, "verdict": verdict, "png": png}, fh, indent=1)
+        if png:
+            print(f"\nplot: {png}")
+        return
     results = [run_one(r, args, extra) for r in runs]
     text, rows = table(runs, results)
     cfg = results[0]["config"]

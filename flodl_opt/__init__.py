@@ -11,10 +11,12 @@ an outer optimizer step (DiLoCo, SlowMo, EASGD).
 from .adaptive import AdaptiveSync
 from .consensus import SyncStats
 from .checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
-from .errors import ConfigError, NonFiniteError, NonFiniteWarning, SyncError
+from .errors import CollectiveMismatchError, ConfigError, NonFiniteError, NonFiniteWarning, SyncError
 from .horovod import (Adasum, Average, Compression, DistributedOptimizer, Max, Min, Product, Sum,
-                      allgather, allgather_object, allreduce, allreduce_, broadcast, broadcast_,
-                      broadcast_object, broadcast_optimizer_state, broadcast_parameters)
+                      allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters)
+from .collectives import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
+                          allreduce_async_, barrier, broadcast, broadcast_, broadcast_async,
+                          broadcast_async_, join, poll, synchronize)
 from .launch import (backend, device, init, is_initialized, launch_info, local_rank, local_size, rank,
                      shutdown, size)
 from .optimizer import LocalSGDOptimizer
@@ -29,5 +31,7 @@ __all__ = [
     "NonFiniteError", "NonFiniteWarning", "save_checkpoint", "load_checkpoint", "wait_checkpoint",
     "DistributedOptimizer", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "allreduce",
     "allreduce_", "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object",
-    "broadcast_parameters", "broadcast_optimizer_state",
+    "broadcast_parameters", "broadcast_optimizer_state", "allreduce_async", "allreduce_async_",
+    "allgather_async", "broadcast_async", "broadcast_async_", "poll", "synchronize", "join", "barrier",
+    "CollectiveMismatchError",
 ]

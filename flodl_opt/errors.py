@@ -26,6 +26,14 @@ class ConfigError(ValueError):
     """Bad input: the message says what to change."""
 
 
+class CollectiveMismatchError(ConfigError, RuntimeError):
+    """Ranks called a collective with different shapes, dtypes, roots, names or ops.
+
+    Raised on every rank before any data moves. Also a ``RuntimeError``, which is what Horovod
+    raises for the same mistake (``except RuntimeError`` in Horovod scripts keeps working).
+    """
+
+
 class NonFiniteError(FloatingPointError):
     """Every rank that moved since the last sync holds NaN/Inf params: there is nothing to average.
 

@@ -117,10 +117,10 @@ class GradBuffer:
         """Make ``params[i].grad`` its view, holding its current value; False for a sparse grad."""
         p, view = self.params[i], self.views[i]
         g = p.grad
+        if g is not None and g.is_sparse:  # before data_ptr(): a sparse tensor has none
+            return False
         if g is None or (g.data_ptr() == self._view_ptrs[i] and g.shape == view.shape):
             return g is not None
-        if g.is_sparse:
-            return False
         view.copy_(g)
         p.grad = view
         return True
@@ -133,14 +133,15 @@ class GradBuffer:
             g = p.grad
             if g is None:
                 zero.append(view)
+            elif g.is_sparse:  # before data_ptr(): a sparse tensor has none
+                if not sparse_as_dense:
+                    raise ConfigError(f"DistributedOptimizer: {self.names[i]} has a sparse gradient; "
+                                      "pass sparse_as_dense=True or build the module with sparse=False")
+                copy_dst.append(view)
+                copy_src.append(g.to_dense())
             elif g.data_ptr() == self._view_ptrs[i] and g.shape == view.shape:
                 continue  # already ours: autograd accumulated in place, or a hook moved it
             else:
-                if g.is_sparse:
-                    if not sparse_as_dense:
-                        raise ConfigError(f"DistributedOptimizer: {self.names[i]} has a sparse gradient; "
-                                          "pass sparse_as_dense=True or build the module with sparse=False")
-                    g = g.to_dense()
                 copy_dst.append(view)
                 copy_src.append(g)
             rebind.append(i)
@@ -155,7 +156,7 @@ class GradBuffer:
         """Zero contribution (a joined rank): grads zeroed and bound to the buffer."""
         self.flat.zero_()
         for p, view, ptr in zip(self.params, self.views, self._view_ptrs):
-            if p.grad is None or p.grad.data_ptr() != ptr:
+            if p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != ptr:
                 p.grad = view
 
 

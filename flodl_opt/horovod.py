@@ -38,10 +38,11 @@ from .grad_buckets import DEFAULT_BUCKET_BYTES, BucketReducer, GradBuffer
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
-    "DistributedOptimizer", "allreduce", "allreduce_", "allgather", "allgather_object", "broadcast",
-    "broadcast_",
+    "DistributedOptimizer", "allgather_object",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
 ]
+# The raw collectives (allreduce, allgather, broadcast, their _async forms, join, barrier) live in
+# flodl_opt/collectives.py.
 
 
 # ---------------------------------------------------------------- reduction ops
@@ -94,9 +95,23 @@ class Compressor:
     def __repr__(self) -> str:
         return f"flodl_opt.Compression.{self.name}"
 
+    def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        """Horovod's interface: ``(tensor on the wire, ctx for decompress)``; others pass through."""
+        if self.wire_dtype is None or tensor.dtype not in (torch.float32, torch.float64):
+            return tensor, None
+        return tensor.to(self.wire_dtype), tensor.dtype
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Back to the dtype ``compress`` saw (``ctx``)."""
+        return tensor if ctx is None else tensor.to(ctx)
+
 
 class Compression:
-    """Horovod's ``Compression.none`` / ``Compression.fp16`` (float32/64 grads reduced in float16)."""
+    """Horovod's ``Compression.none`` / ``Compression.fp16`` (float32/64 grads reduced in float16).
+
+    ``Compression.fp16.compress(t)`` returns ``(t.half(), t.dtype)`` for float32/64 tensors (any other
+    dtype passes through) and ``decompress(t, ctx)`` casts back, as in Horovod.
+    """
 
     none = Compressor("none", None)
     fp16 = Compressor("fp16", torch.float16)
@@ -161,73 +176,7 @@ def _broadcast_into(targets: Sequence[torch.Tensor], root: int, group) -> None:
                 offset += n
 
 
-# ---------------------------------------------------------------- metrics and broadcasts
-def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-               op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0, process_group=None, compression=None) -> torch.Tensor:
-    """In-place ``allreduce`` (Horovod's ``allreduce_``); returns ``tensor``."""
-    op = _op(op, average)
-    if op is Average and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise ConfigError(f"Average of a {tensor.dtype} tensor{f' ({name})' if name else ''}: "
-                          "use op=flodl_opt.Sum or convert it to float first")
-    n = _group_size(process_group)
-    with torch.no_grad():
-        if prescale_factor != 1.0:
-            tensor.mul_(prescale_factor)
-        if n > 1:
-            dev = _comm_device()
-            buf = tensor if tensor.device == dev else tensor.to(dev)
-            dist.all_reduce(buf, op=_TORCH_OPS[op.name], group=process_group)
-            if buf is not tensor:
-                tensor.copy_(buf)
-        post = postscale_factor / n if op is Average else postscale_factor
-        if post != 1.0:
-            tensor.mul_(post)
-    return tensor
-
-
-def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-              op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, process_group=None, compression=None) -> torch.Tensor:
-    """The reduction of ``tensor`` over all ranks, in a new tensor (default: the average).
-
-    For metrics and other small tensors; a collective, so every rank calls it in the same order.
-
-    Example::
-
-        val_loss = flo.allreduce(torch.tensor(local_loss), name="val_loss")   # mean over ranks
-        correct = flo.allreduce(torch.tensor(n_correct), op=flo.Sum)
-    """
-    return allreduce_(tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor,
-                      process_group)
-
-
-def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_group=None) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated along dim 0, in rank order (first dims may differ).
-
-    Example::
-
-        all_preds = flo.allgather(preds)          # (sum of ranks' rows, ...)
-    """
-    n = _group_size(process_group)
-    if n == 1:
-        return tensor.detach().clone()
-    dev = _comm_device()
-    t = _wire_view(tensor.detach()).to(dev)
-    if t.dim() == 0:
-        t = t.reshape(1)
-    rows = torch.tensor([t.shape[0]], dtype=torch.int64, device=dev)
-    all_rows = [torch.empty_like(rows) for _ in range(n)]
-    dist.all_gather(all_rows, rows, group=process_group)
-    counts = [int(r.item()) for r in all_rows]
-    padded = torch.zeros((max(counts),) + tuple(t.shape[1:]), dtype=t.dtype, device=dev)
-    padded[:t.shape[0]].copy_(t)
-    parts = [torch.empty_like(padded) for _ in range(n)]
-    dist.all_gather(parts, padded, group=process_group)
-    out = torch.cat([p[:c] for p, c in zip(parts, counts)]).to(tensor.device)
-    return out.view(torch.bool) if tensor.dtype == torch.bool else out
-
-
+# ---------------------------------------------------------------- object collectives and broadcasts
 def allgather_object(obj: Any, name: Optional[str] = None, process_group=None) -> List[Any]:
     """Every rank's ``obj`` (picklable), as a list in rank order."""
     n = _group_size(process_group)
@@ -236,20 +185,6 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_group=None) -
     out: List[Any] = [None] * n
     dist.all_gather_object(out, obj, group=process_group)
     return out
-
-
-def broadcast_(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = None,
-               process_group=None) -> torch.Tensor:
-    """Overwrite ``tensor`` with root's value, in place (Horovod's ``broadcast_``)."""
-    if _group_size(process_group) > 1:
-        _broadcast_into([tensor], _global_rank(process_group, root_rank), process_group)
-    return tensor
-
-
-def broadcast(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = None,
-              process_group=None) -> torch.Tensor:
-    """Root's value of ``tensor``, in a new tensor."""
-    return broadcast_(tensor.detach().clone(), root_rank, name, process_group)
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None,

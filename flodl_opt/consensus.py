@@ -479,14 +479,19 @@ class Consensus:
         stats.ms = (time.perf_counter() - t0) * 1e3
         return stats
 
-    def _run_nccl(self, steps: int, sync_number: int, active: bool) -> SyncStats:
-        """NCCL: pre-norm and pre-sync copy, then one PREMUL_SUM per buffer, then the readout."""
+    def begin(self, steps: int, sync_number: int) -> "tuple[float, SyncStats, Optional[float], bool]":
+        """Start of a one-shot sync: clock, stats, pre-sync norm, non-finite flag, pre-sync copy."""
         t0 = time.perf_counter()
         stats = SyncStats(sync=sync_number, steps=steps)
         pre_sq = self._pre_norm_sq()
         nonfinite = self.nonfinite_guard and pre_sq is not None and not math.isfinite(pre_sq)
         if self.keep_presync:
             self.presync_copy()
+        return t0, stats, pre_sq, nonfinite
+
+    def _run_nccl(self, steps: int, sync_number: int, active: bool) -> SyncStats:
+        """NCCL: pre-norm and pre-sync copy, then one PREMUL_SUM per buffer, then the readout."""
+        t0, stats, pre_sq, nonfinite = self.begin(steps, sync_number)
         with self._restore_on_failure(sync_number):
             totals = self._count_or_skip(stats, steps, active, nonfinite, sync_number, t0)
             if totals is None:

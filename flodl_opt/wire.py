@@ -298,13 +298,8 @@ class CompressedWire:
     # ------------------------------------------------------------------ the sync
     def run(self, c: "Consensus", steps: int, sync_number: int, active: bool) -> "SyncStats":
         """count -> compressed reduce -> readout, as ``Consensus._run_nccl`` does in float32."""
-        from .consensus import SyncStats, gamma_mass
-        t0 = time.perf_counter()
-        stats = SyncStats(sync=sync_number, steps=steps)
-        pre_sq = c._pre_norm_sq()
-        nonfinite = c.nonfinite_guard and pre_sq is not None and not math.isfinite(pre_sq)
-        if c.keep_presync:
-            c.presync_copy()
+        from .consensus import gamma_mass
+        t0, stats, pre_sq, nonfinite = c.begin(steps, sync_number)
         with c._restore_on_failure(sync_number):
             totals = c._count_or_skip(stats, steps, active, nonfinite, sync_number, t0)
             if totals is None:

@@ -131,3 +131,20 @@ def gather_object(obj: Any) -> List[Any]:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit("import me from tests")
+
+
+def survivor_verdict(fn: Callable, out: str, **kwargs: Any) -> Any:
+    """Run ``fn`` on 2 ranks, rank 1 of which SIGKILLs itself; return what rank 0 saved at ``out``.
+
+    Asserts that only rank 1 failed: the survivor must report (through the file), not crash.
+    """
+    import torch
+    try:
+        run_ranks(fn, 2, out, **kwargs)
+    except RankFailure as exc:
+        text = str(exc)
+        assert "rank 1 exited with code -9" in text and "---- rank 0" not in text, text
+    else:
+        raise AssertionError("rank 1 was meant to die, but every rank finished")
+    return torch.load(out, weights_only=False)
+

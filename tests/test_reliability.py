@@ -24,7 +24,7 @@ from torch import nn
 
 import flodl_opt as flo
 from flodl_opt import checkpoint as ckpt_mod
-from dist_harness import ROOT, RankFailure, gather_object, run_ranks
+from dist_harness import ROOT, gather_object, run_ranks, survivor_verdict
 
 
 def _flat(model: nn.Module) -> torch.Tensor:
@@ -85,12 +85,8 @@ def _peer_dies_mid_sync(rank, world, out):
 
 def test_peer_killed_during_sync_survivor_raises_with_pre_sync_params(tmp_path):
     out = str(tmp_path / "rank0.pt")
-    with pytest.raises(RankFailure) as info:
-        run_ranks(_peer_dies_mid_sync, 2, out, timeout=90, collective_timeout=15)
-    text = str(info.value)
     # Only the killed rank failed; the survivor reported (its verdict is in the file).
-    assert "rank 1 exited with code -9" in text and "---- rank 0" not in text, text
-    r = torch.load(out, weights_only=False)
+    r = survivor_verdict(_peer_dies_mid_sync, out, timeout=90, collective_timeout=15)
     assert r["msg"].startswith("flodl_opt: sync #1 failed on rank 0"), r["msg"]
     assert (r["rank"], r["sync"], r["restored"]) == (0, 1, True)
     assert r["half_averaged"], "the first chunk should have been averaged before the peer died"

@@ -27,7 +27,15 @@ Methods are rows of ``METHODS`` (name -> kind, LocalSGDOptimizer keyword argumen
 ``DistributedDataParallel``, its own bucketing and backward overlap: the anchor), ``distopt``
 (``flodl_opt.DistributedOptimizer``: one fused gradient all-reduce per step), ``localsgd-k16``
 (``LocalSGDOptimizer``, plain averaging every 16 steps) and ``diloco-h64`` (DiLoCo outer step every
-64). A new sync mode is one more row.
+64, library defaults), and one row per sync mode: ``-int8`` (``wire="int8"``: each rank's difference
+from the anchor in int8 with per-block scales, ~1/4 of the bytes), ``-stream`` (``fragments=4,
+overlap_steps=2``: a quarter of the model at a time, in flight while 2 more inner steps run) and
+``localsgd-auto`` (``sync_every="auto"``). A new sync mode is one more row.
+
+Streaming rows never hold one consensus of the whole model (fragments sync at different steps), so
+their evaluation uses the ranks' mean weights (one all-reduce, outside the clock and the byte count):
+the model the next full sync would produce. Every run ends with ``opt.sync()`` where needed, so the
+final params are identical on every rank.
 
 Time to target, and how the local methods get their chance. The anchor (DDP) runs exactly
 ``--steps`` steps; the target is its final validation loss x ``--target-factor`` (1.01). Every other
@@ -87,10 +95,19 @@ METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "distopt": ("distopt", {}),
     "localsgd-k16": ("local", {"sync_every": 16}),
     "diloco-h64": ("local", {"sync_every": 64, "outer": "diloco"}),
+    "localsgd-k16-int8": ("local", {"sync_every": 16, "wire": "int8"}),
+    "diloco-h64-int8": ("local", {"sync_every": 64, "outer": "diloco", "wire": "int8"}),
+    "localsgd-k16-stream": ("local", {"sync_every": 16, "fragments": 4, "overlap_steps": 2}),
+    "diloco-h64-stream": ("local", {"sync_every": 64, "outer": "diloco", "fragments": 4, "overlap_steps": 2}),
+    "localsgd-auto": ("local", {"sync_every": "auto"}),
 }
 ANCHOR = "ddp"
 LABELS = {"ddp": "torch DDP (anchor)", "distopt": "flo.DistributedOptimizer",
-          "localsgd-k16": "local SGD, K=16", "diloco-h64": "DiLoCo, H=64"}
+          "localsgd-k16": "local SGD, K=16", "diloco-h64": "DiLoCo, H=64",
+          "localsgd-k16-int8": "local SGD, K=16, int8 wire", "diloco-h64-int8": "DiLoCo, H=64, int8 wire",
+          "localsgd-k16-stream": "local SGD, K=16, 4 fragments, overlap 2",
+          "diloco-h64-stream": "DiLoCo, H=64, 4 fragments, overlap 2",
+          "localsgd-auto": "local SGD, sync_every='auto'"}
 
 SUBNET = "10.213.0"      # rank i is SUBNET.(10 + i)/24
 VETH = "flwan0"          # the rank's interface inside its namespace
@@ -160,10 +177,26 @@ def worker(cfg: Dict[str, Any]) -> None:
         raise ValueError(f"unknown kind {kind!r}")
     period = period_of(kind, kwargs)
     eval_every = -(-cfg["eval_every"] // period) * period
+    streaming = kind == "local" and (kwargs.get("fragments", 1) > 1 or kwargs.get("overlap_steps", 0) > 0)
     gen = torch.Generator().manual_seed(cfg["seed"] + rank)
 
     @torch.no_grad()
     def val_loss() -> float:
+        if streaming:  # the ranks' mean weights (see the module docstring)
+            mine = [p.detach().clone() for p in params]
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            flat /= world
+            torch._foreach_copy_([p.data for p in params],
+                                 [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in params]), params)])
+            try:
+                return _val_loss()
+            finally:
+                torch._foreach_copy_([p.data for p in params], mine)
+        return _val_loss()
+
+    @torch.no_grad()
+    def _val_loss() -> float:
         model.eval()
         g = torch.Generator().manual_seed(1234)  # the same windows for every method and point
         s, n = 0.0, 0
@@ -183,7 +216,7 @@ def worker(cfg: Dict[str, Any]) -> None:
         return t.item()
 
     def synced() -> bool:
-        return kind != "local" or opt.steps_since_sync == 0
+        return kind != "local" or streaming or opt.steps_since_sync == 0
 
     anchor, target = cfg["anchor"], cfg["target"]
     # Without a target (no anchor in the run, no --target-loss) everyone runs exactly --steps.
@@ -197,9 +230,10 @@ def worker(cfg: Dict[str, Any]) -> None:
     dist.barrier()
     tx0 = read_tx(cfg["ifname"])
     t0 = time.perf_counter()
-    excluded = 0.0
+    excluded, tx_excluded = 0.0, 0  # evaluation: outside the clock and the byte count
     curve.append([0, 0.0, val_loss()])
     excluded += time.perf_counter() - t0
+    tx_excluded += read_tx(cfg["ifname"]) - tx0
     next_eval, step, stop_reason, last_print = eval_every, 0, None, 0.0
     while stop_reason is None:
         step += 1
@@ -222,14 +256,14 @@ def worker(cfg: Dict[str, Any]) -> None:
         else:
             opt.step()  # clip -> AdamW -> scheduler -> every K steps: consensus (+ outer step)
         last = step >= max_steps
-        if kind == "local" and last and opt.steps_since_sync > 0:
-            opt.sync()  # end on the consensus
+        if kind == "local" and last and (opt.steps_since_sync > 0 or streaming):
+            opt.sync()  # end on the consensus (streaming: every fragment, what is in flight first)
         if kind == "local" and opt.last_sync is not None and opt.last_sync is not last_stats:
             last_stats = opt.last_sync
             sync_bytes += last_stats.bytes
         # "auto" periods: wait for a sync, but never more than 4 eval intervals.
         if last or (step >= next_eval and (synced() or step >= next_eval + 4 * eval_every)):
-            t_pause = time.perf_counter()
+            t_pause, tx_pause = time.perf_counter(), read_tx(cfg["ifname"])
             wall = slowest(t_pause - t0 - excluded)
             v = val_loss()
             curve.append([step, wall, v])
@@ -243,6 +277,7 @@ def worker(cfg: Dict[str, Any]) -> None:
             elif wall_cap is not None and step >= steps and wall >= wall_cap:
                 stop_reason = "wall cap"
             excluded += time.perf_counter() - t_pause
+            tx_excluded += read_tx(cfg["ifname"]) - tx_pause
         now = time.perf_counter()
         if rank == 0 and (now - last_print > 5.0 or stop_reason):
             last_print = now
@@ -255,7 +290,7 @@ def worker(cfg: Dict[str, Any]) -> None:
             say(f"  [{cfg['rate']} {cfg['method']}] step {step}/{goal}{extra} | {rate_s:.1f} steps/s "
                 f"| {elapsed:.0f} s | ETA {eta:.0f} s | {tail}", flush=True)
     wall = slowest(time.perf_counter() - t0 - excluded)
-    tx = read_tx(cfg["ifname"]) - tx0
+    tx = read_tx(cfg["ifname"]) - tx0 - tx_excluded
     h = hashlib.sha256()
     with torch.no_grad():
         for p in params:

@@ -582,26 +582,25 @@ def summarize(trials: List[Trial], cfg: Config) -> Dict[str, Any]:
             "max_steps_lost": max(lost) if lost else None, "by_kind": by}
 
 
+# One summary line per kind of fault, from its aggregate ``k``.
+KIND_LINES = {
+    "kill": lambda k, cfg: (f"SIGKILL: {k['recovered']}/{k['trials']} resumed bit-exact, {k['hangs']} hangs, "
+                            f"max steps lost {k['max_steps_lost']} (K={cfg.sync_every}), recovery <= "
+                            f"{k['recover_s_max']} s"),
+    "stop": lambda k, cfg: (f"SIGSTOP: {k['recovered']}/{k['trials']} SyncError naming the sync within the "
+                            f"timeout ({cfg.stop_timeout_s:g} s) + {DETECT_MARGIN_S:g} s (max {k['detect_s_max']} "
+                            f"s), then resumed bit-exact; {k['hangs']} hangs; stall warning named the rank in "
+                            f"{k['stall_warning_named_it']}"),
+    "damage": lambda k, cfg: (f"damaged checkpoint: {k['detected']}/{k['trials']} detected (file named, every "
+                              f"rank), {k['recovered']}/{k['trials']} fell back to the previous one and finished "
+                              "bit-exact"),
+    "nan": lambda k, cfg: (f"NaN rank: {k['recovered']}/{k['trials']} no vote + warning naming it + the job went "
+                           f"on; max |final loss - uninterrupted| {k['max_abs_loss_diff']:.3g}"),
+}
+
+
 def kind_lines(s: Dict[str, Any], cfg: Config) -> List[str]:
-    b, out = s["by_kind"], []
-    if "kill" in b:
-        k = b["kill"]
-        out.append(f"SIGKILL: {k['recovered']}/{k['trials']} resumed bit-exact, {k['hangs']} hangs, max steps "
-                   f"lost {k['max_steps_lost']} (K={cfg.sync_every}), recovery <= {k['recover_s_max']} s")
-    if "stop" in b:
-        k = b["stop"]
-        out.append(f"SIGSTOP: {k['recovered']}/{k['trials']} SyncError naming the sync within the timeout "
-                   f"({cfg.stop_timeout_s:g} s) + {DETECT_MARGIN_S:g} s (max {k['detect_s_max']} s), then resumed "
-                   f"bit-exact; {k['hangs']} hangs; stall warning named the rank in {k['stall_warning_named_it']}")
-    if "damage" in b:
-        k = b["damage"]
-        out.append(f"damaged checkpoint: {k['detected']}/{k['trials']} detected (file named, every rank), "
-                   f"{k['recovered']}/{k['trials']} fell back to the previous one and finished bit-exact")
-    if "nan" in b:
-        k = b["nan"]
-        out.append(f"NaN rank: {k['recovered']}/{k['trials']} no vote + warning naming it + the job went on; "
-                   f"max |final loss - uninterrupted| {k['max_abs_loss_diff']:.3g}")
-    return out
+    return [line(s["by_kind"][kind], cfg) for kind, line in KIND_LINES.items() if kind in s["by_kind"]]
 
 
 def main(argv=None) -> int:

@@ -354,14 +354,26 @@ class Topology:
             sh("ip", "-n", ns, "link", "set", VETH, "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
 
-    def shape(self, rate_bps: float) -> Dict[str, Any]:
+    def shape(self, rate_bps: float, queue_ms: float = 50.0) -> Dict[str, Any]:
         """tbf on every rank's egress. burst >= 2 ms at the rate and >= 2 GSO frames (128 KiB), so
-        that 1 Gbit/s is reached; latency 50 ms bounds the queue (drops beyond, as a real link)."""
+        that 1 Gbit/s is reached; ``latency`` bounds the queue (drops beyond, as a real link)."""
         burst = max(128 * 1024, int(rate_bps / 8 * 0.002))
         for ns in self.ns:
             sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", VETH, "root", "tbf",
-               "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "50ms")
-        return {"qdisc": "tbf", "rate_bit": int(rate_bps), "burst_bytes": burst, "latency_ms": 50}
+               "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", f"{queue_ms:g}ms")
+        return {"qdisc": "tbf", "rate_bit": int(rate_bps), "burst_bytes": burst, "latency_ms": queue_ms}
+
+    def counters(self) -> List[Dict[str, int]]:
+        """Per rank: packets the shaper dropped and TCP segments retransmitted (cumulative)."""
+        out = []
+        for ns in self.ns:
+            q = sh("ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", VETH, check=False).stdout
+            m = re.search(r"dropped (\d+)", q)
+            snmp = sh("ip", "netns", "exec", ns, "cat", "/proc/net/snmp", check=False).stdout.splitlines()
+            tcp = [line.split()[1:] for line in snmp if line.startswith("Tcp:")]
+            retrans = int(dict(zip(tcp[0], tcp[1])).get("RetransSegs", 0)) if len(tcp) == 2 else 0
+            out.append({"dropped": int(m.group(1)) if m else 0, "retrans": retrans})
+        return out
 
     def spawn(self, i: int, argv: List[str], env: Dict[str, str], **kw) -> subprocess.Popen:
         p = subprocess.Popen(["ip", "netns", "exec", self.ns[i]] + argv, env=env, start_new_session=True, **kw)
@@ -470,6 +482,7 @@ def run_method(topo: Topology, args, rate: str, method: str, target: Optional[fl
     th = threading.Thread(target=pump, daemon=True)
     th.start()
     deadline = time.monotonic() + args.run_timeout
+    before = topo.counters()
     try:
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
@@ -491,7 +504,12 @@ def run_method(topo: Topology, args, rate: str, method: str, target: Optional[fl
             raise RuntimeError(f"{rate} {method}: rank {i} failed (exit {p.returncode}):\n{err}")
         with open(path) as f:
             ranks.append(json.load(f))
-    return summarize(ranks, target, ddp_wall, kind, kwargs)
+    row = summarize(ranks, target, ddp_wall, kind, kwargs)
+    # Diagnostics of the link, whole run (evaluation included): drops at the shaper, TCP retransmits.
+    after = topo.counters()
+    row["link_drops"] = sum(a["dropped"] - b["dropped"] for a, b in zip(after, before))
+    row["tcp_retrans"] = sum(a["retrans"] - b["retrans"] for a, b in zip(after, before))
+    return row
 
 
 def summarize(ranks: List[Dict[str, Any]], target, ddp_wall, kind, kwargs) -> Dict[str, Any]:
@@ -620,6 +638,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--corpus-mb", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-timeout", type=float, default=1200.0, help="deadline of one method's run (s)")
+    p.add_argument("--queue-ms", type=float, default=50.0,
+                   help="tbf latency: the shaper queues this many ms at the rate, drops beyond")
     p.add_argument("--link-seconds", type=float, default=1.5, help="duration of each link probe")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -676,7 +696,7 @@ def main(argv=None) -> int:
             return 2
         port = 29500
         for rate, bps in rates:
-            shaping = topo.shape(bps)
+            shaping = topo.shape(bps, args.queue_ms)
             probes = measure_link(topo, bps, args.link_seconds)
             worst = max(probes, key=lambda p: abs(p["measured_bit"] / bps - 1))
             mean = sum(p["measured_bit"] for p in probes) / len(probes)

@@ -496,7 +496,8 @@ def run_method(topo: Topology, args, rate: str, method: str, target: Optional[fl
         topo.kill(procs)
         th.join(timeout=5)
     ranks = []
-    for i, p in enumerate(procs):
+    # A rank that failed on its own first; the ones this tool killed after it (-9) come last.
+    for i, p in sorted(enumerate(procs), key=lambda ip: ip[1].returncode == -signal.SIGKILL):
         path = out + f".rank{i}.json"
         if p.returncode != 0 or not os.path.exists(path):
             with open(out + f".rank{i}.err") as f:

@@ -7,10 +7,13 @@ only their storage moves, once, into the flat buffer.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import OrderedDict
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
+from torch import nn
 
 from .errors import ConfigError
 
@@ -120,3 +123,54 @@ def unique(tensors: Iterable[torch.Tensor]) -> List[torch.Tensor]:
 def signature(groups: Sequence[FlatGroup]) -> List[Tuple[str, str, List[Tuple[int, ...]]]]:
     """What must be identical on every rank for the collectives to line up."""
     return [(g.role, str(g.dtype), g.shapes) for g in groups]
+
+
+# ---------------------------------------------------------------- state dicts of a packed model
+# Packed params are views of one buffer, so a plain ``model.state_dict()`` would hand out tensors
+# that share storage. torch.save copes, but safetensors (``save_model``, Accelerate's
+# ``save_state``, HF ``save_pretrained``) reads them as tied weights: it drops all but one and
+# then refuses to load. A post-hook gives each packed entry its own storage instead.
+_HOOKED = "_flodl_opt_state_dict_hook"
+_views = threading.local()
+
+
+def own_storage_state_dicts(module: nn.Module) -> None:
+    """Make ``module.state_dict()`` (and every submodule's) return packed tensors as own copies.
+
+    Costs one copy of the packed tensors per ``state_dict()`` call. ``keep_vars=True`` still
+    returns the params themselves; ``load_state_dict`` copies into the views as before.
+    """
+    for m in module.modules():
+        if (m._parameters or m._buffers) and not getattr(m, _HOOKED, False):
+            m.register_state_dict_post_hook(_copy_shared_entries)
+            setattr(m, _HOOKED, True)
+
+
+@contextlib.contextmanager
+def state_dict_views() -> Iterator[None]:
+    """Inside: ``state_dict()`` returns the views (for code that copies every tensor anyway)."""
+    before = getattr(_views, "on", False)
+    _views.on = True
+    try:
+        yield
+    finally:
+        _views.on = before
+
+
+def _copy_shared_entries(module: nn.Module, state_dict: Dict, prefix: str, local_metadata) -> None:
+    if getattr(_views, "on", False):
+        return
+    for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+        key = prefix + name
+        v = state_dict.get(key)
+        # v is t itself under keep_vars=True: the caller asked for the live tensors.
+        if t is None or v is None or v is t or not _shares_storage(v):
+            continue
+        state_dict[key] = v.clone(memory_format=torch.contiguous_format)
+
+
+def _shares_storage(t: torch.Tensor) -> bool:
+    """A strided tensor that covers only part of its storage (a view of a flat buffer)."""
+    if type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided or t.is_meta:
+        return False
+    return t.untyped_storage().nbytes() != t.numel() * t.element_size()

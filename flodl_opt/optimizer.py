@@ -38,7 +38,7 @@ from .adaptive import DRIFT_BYTES, AdaptiveSync, make_adaptive, share_drift
 from .consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
 from .wrapping import WrappedOptimizer, check_same_on_every_rank
 from .errors import ConfigError, NonFiniteWarning
-from .flat import FlatGroup, pack, signature, unique
+from .flat import FlatGroup, own_storage_state_dicts, pack, signature, unique
 from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
 from .stall import DEFAULT_STALL_WARNING_S, StallWatchdog
 from .wire import DEFAULT_WIRE_BLOCK, make_wire, wire_config
@@ -150,6 +150,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
         if self._wire is not None:
             self._wire.check_groups(self._param_groups_flat)
         self._buffer_groups_flat: List[FlatGroup] = pack(float_buffers, "buffer")
+        if inner_model is not None:  # packed tensors share one storage: state_dict() hands out copies
+            own_storage_state_dicts(inner_model)
 
         self._consensus = Consensus(
             self._param_groups_flat, self._buffer_groups_flat,

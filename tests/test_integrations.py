@@ -92,3 +92,102 @@ def test_state_dict_copies_only_shared_entries_and_keep_vars_stays_live():
     with state_dict_views():
         views = model.state_dict()
     assert views["0.weight"].untyped_storage().data_ptr() == model[0].weight.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------- GradScaler
+_AMP_STEPS, _AMP_K, _AMP_LR, _AMP_SKIP = 7, 3, 0.05, (1, 4)   # rank 1 overflows at step 4
+
+
+def _amp_batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 2, generator=g, dtype=torch.float64)
+
+
+def _amp_rank(rank, world, explicit_unscale):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=_AMP_LR), model=model,
+                                sync_every=_AMP_K)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6)
+    synced_at = []
+    for step in range(1, _AMP_STEPS + 1):
+        x, y = _amp_batch(rank, step)
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x.float()), y.float())).backward()
+        if (rank, step) == _AMP_SKIP:
+            model.weight.grad[0, 0] = float("inf")  # an fp16 overflow, on this rank only
+        if explicit_unscale and step % 2 == 0:
+            scaler.unscale_(opt)  # as before clipping: step() then gets unscaled gradients
+        before = opt.sync_count
+        scaler.step(opt)
+        scaler.update()
+        if opt.sync_count != before:
+            synced_at.append((step, opt.last_sync.steps, opt.last_sync.cohort_steps))
+    opt.sync()
+    return synced_at, [p.detach().clone() for p in model.parameters()], opt.global_steps
+
+
+def _amp_reference():
+    """float64 local SGD; a skipped step moves nothing and weighs nothing (gamma=1: mass = n)."""
+    torch.manual_seed(0)
+    init = [p.detach().double().clone() for p in nn.Linear(4, 2).parameters()]
+    w = [[t.clone() for t in init] for _ in range(2)]
+    worked = [0, 0]
+
+    def average():
+        total = sum(worked)
+        avg = [sum(worked[r] * w[r][i] for r in range(2)) / total for i in range(len(init))]
+        for r in range(2):
+            w[r] = [t.clone() for t in avg]
+            worked[r] = 0
+
+    for step in range(1, _AMP_STEPS + 1):
+        for r in range(2):
+            if (r, step) == _AMP_SKIP:
+                continue
+            x, y = _amp_batch(r, step)
+            weight, bias = (t.clone().requires_grad_(True) for t in w[r])
+            nn.functional.mse_loss(x @ weight.T + bias, y).backward()
+            w[r] = [weight.detach() - _AMP_LR * weight.grad, bias.detach() - _AMP_LR * bias.grad]
+            worked[r] += 1
+        if step % _AMP_K == 0:
+            average()
+    average()
+    return w[0]
+
+
+@pytest.mark.parametrize("explicit_unscale", [False, True])
+def test_gradscaler_overflow_on_one_rank_keeps_the_sync_points(explicit_unscale):
+    out = run_ranks(_amp_rank, 2, explicit_unscale, timeout=60, collective_timeout=10)
+    (sync0, params0, global0), (sync1, params1, global1) = out
+    # Same sync points on both ranks; the skipped step counts on the clock, not in the work.
+    assert [s for s, _, _ in sync0] == [s for s, _, _ in sync1] == [3, 6]
+    assert [(n, c) for _, n, c in sync0] == [(3, 6), (3, 5)]
+    assert [(n, c) for _, n, c in sync1] == [(3, 6), (2, 5)]
+    assert global0 == global1 == 2 * _AMP_STEPS - 1
+    for a, b, ref in zip(params0, params1, _amp_reference()):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a.double(), ref, rtol=0, atol=1e-6)
+
+
+def _amp_single(supports_amp: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, sync_every=2,
+                                max_grad_norm=0.5)
+    opt._step_supports_amp_scaling = supports_amp  # False: GradScaler unscales and skips, as before
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for step in range(1, 8):
+        x, y = _amp_batch(0, step)
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x.float()), y.float())).backward()
+        scaler.step(opt)
+        scaler.update()
+    return [p.detach().clone() for p in model.parameters()], scaler.get_scale()
+
+
+def test_gradscaler_steps_are_bit_identical_to_gradscaler_unscaling_itself():
+    (got, scale_got), (want, scale_want) = _amp_single(True), _amp_single(False)
+    assert scale_got == scale_want
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -40,6 +40,18 @@ def is_ddp(model: Optional[nn.Module]) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
+def find_ddp(model: Optional[nn.Module]) -> Optional[nn.Module]:
+    """The DDP wrapper ``model`` is or holds under ``torch.compile`` (``_orig_mod``), else None.
+
+    ``torch.compile(DDP(net))`` hides the DDP model; missed, it would all-reduce every gradient.
+    """
+    for _ in range(8):  # compile(compile(...)) nests; a few levels is plenty
+        if model is None or is_ddp(model):
+            return model
+        model = model.__dict__.get("_modules", {}).get("_orig_mod")
+    return None
+
+
 class _Phase:
     """The hook's state: whether the optimizer that owns this DDP model is past its warm-up."""
 
@@ -120,8 +132,9 @@ def _stop_buffer_broadcast(ddp_model: nn.Module) -> None:
 
 def attach(model: Optional[nn.Module], optimizer: Any, warmup_steps: int,
            process_group=None) -> Optional[DDPBridge]:
-    """Install the local-SGD bridge on ``model`` if it is a DDP model; None otherwise."""
-    if not is_ddp(model) or not dist.is_initialized():
+    """Install the local-SGD bridge on ``model`` if it is (or compiles) a DDP model; None otherwise."""
+    model = find_ddp(model)
+    if model is None or not dist.is_initialized():
         return None
     ddp_group = getattr(model, "process_group", None)
     if dist.get_world_size(ddp_group) != dist.get_world_size(process_group):

@@ -54,9 +54,9 @@ _STREAM_CONFIG = {"fragments": 1, "overlap_steps": 0}
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside DistributedDataParallel (or anything with a ``.module``)."""
-    from torch.nn.parallel import DistributedDataParallel
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    """The user's module inside DistributedDataParallel, also under ``torch.compile(DDP(net))``."""
+    found = ddp.find_ddp(model)
+    return found.module if found is not None else model
 
 
 class LocalSGDOptimizer(WrappedOptimizer):

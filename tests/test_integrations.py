@@ -191,3 +191,40 @@ def test_gradscaler_steps_are_bit_identical_to_gradscaler_unscaling_itself():
     assert scale_got == scale_want
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- DDP that would average every step
+_DDP_K, _DDP_STEPS = 3, 6
+
+
+def _ddp_run(rank, world, wrap):
+    """``wrap``: "plain" (no DDP, the reference), "compiled_ddp" (torch.compile(DDP(net)))."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    model = net if wrap == "plain" else torch.compile(DDP(net), backend="eager")
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=model, sync_every=_DDP_K)
+    differ = []
+    for step in range(1, _DDP_STEPS + 1):
+        x, y = _amp_batch(rank, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x.float()), y.float()).backward()
+        opt.step()
+        if opt.steps_since_sync:
+            mine = torch.cat([p.detach().flatten() for p in net.parameters()])
+            both = [torch.empty_like(mine) for _ in range(world)]
+            torch.distributed.all_gather(both, mine)
+            differ.append(not torch.equal(both[0], both[1]))
+    return [p.detach().clone() for p in net.parameters()], differ, type(opt._ddp).__name__
+
+
+def test_ddp_inside_torch_compile_trains_locally():
+    pytest.importorskip("torch._dynamo")
+    ref = run_ranks(_ddp_run, 2, "plain", timeout=60)
+    got = run_ranks(_ddp_run, 2, "compiled_ddp", timeout=90)
+    for r in range(2):
+        params, differ, bridge = got[r]
+        assert bridge == "DDPBridge"      # the DDP inside the compiled wrapper was found
+        assert len(differ) == 4 and all(differ), differ  # ranks apart between syncs: local steps
+        for a, b in zip(params, ref[r][0]):
+            assert torch.equal(a, b)      # exactly the run without DDP

@@ -208,6 +208,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         self._global_steps = 0       # steps taken by the whole cohort, summed at syncs
         self._joined = False
         self._checked_grads = False
+        self._watch_local = group_size > 1  # until a sync shows the ranks really trained apart
         self.last_sync: Optional[SyncStats] = None
         # A DDP model: stop its per-step gradient all-reduce after warm-up (flodl_opt/ddp.py).
         self._ddp = ddp.attach(model, self, self.warmup_steps, process_group) if group_size > 1 else None
@@ -308,6 +309,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
                 self._outer_step(stats)
                 if self._adaptive is not None:
                     self._next_period(stats)
+            if self._watch_local:  # warns if something else averaged the gradients (ddp.py)
+                self._watch_local = ddp.watch_local_progress(stats, self._consensus.world_size)
             stats.next_every = self.sync_every
         finally:
             if train is not None:  # the next forward on the training stream comes after the sync

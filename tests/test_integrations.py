@@ -198,13 +198,25 @@ _DDP_K, _DDP_STEPS = 3, 6
 
 
 def _ddp_run(rank, world, wrap):
-    """``wrap``: "plain" (no DDP, the reference), "compiled_ddp" (torch.compile(DDP(net)))."""
+    """``wrap``: "plain" (no DDP, the reference), "compiled_ddp" (torch.compile(DDP(net))),
+    "ddp_not_given" (a DDP model trains, LocalSGDOptimizer is given the inner net)."""
+    import warnings
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
-    model = net if wrap == "plain" else torch.compile(DDP(net), backend="eager")
-    opt = flo.LocalSGDOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=model, sync_every=_DDP_K)
+    model = {"plain": lambda: net, "ddp_not_given": lambda: DDP(net),
+             "compiled_ddp": lambda: torch.compile(DDP(net), backend="eager")}[wrap]()
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                model=net if wrap == "ddp_not_given" else model, sync_every=_DDP_K)
     differ = []
+    warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:
+        _ddp_steps(rank, world, model, net, opt, differ)
+    warned = [str(w.message) for w in caught if issubclass(w.category, flo.AveragedElsewhereWarning)]
+    return [p.detach().clone() for p in net.parameters()], differ, type(opt._ddp).__name__, warned
+
+
+def _ddp_steps(rank, world, model, net, opt, differ):
     for step in range(1, _DDP_STEPS + 1):
         x, y = _amp_batch(rank, step)
         opt.zero_grad()
@@ -215,7 +227,6 @@ def _ddp_run(rank, world, wrap):
             both = [torch.empty_like(mine) for _ in range(world)]
             torch.distributed.all_gather(both, mine)
             differ.append(not torch.equal(both[0], both[1]))
-    return [p.detach().clone() for p in net.parameters()], differ, type(opt._ddp).__name__
 
 
 def test_ddp_inside_torch_compile_trains_locally():
@@ -223,8 +234,16 @@ def test_ddp_inside_torch_compile_trains_locally():
     ref = run_ranks(_ddp_run, 2, "plain", timeout=60)
     got = run_ranks(_ddp_run, 2, "compiled_ddp", timeout=90)
     for r in range(2):
-        params, differ, bridge = got[r]
+        params, differ, bridge, warned = got[r]
         assert bridge == "DDPBridge"      # the DDP inside the compiled wrapper was found
         assert len(differ) == 4 and all(differ), differ  # ranks apart between syncs: local steps
         for a, b in zip(params, ref[r][0]):
             assert torch.equal(a, b)      # exactly the run without DDP
+        assert warned == [] and ref[r][3] == []
+
+
+def test_ddp_that_flodl_was_not_given_is_reported():
+    for params, differ, bridge, warned in run_ranks(_ddp_run, 2, "ddp_not_given", timeout=60):
+        assert bridge == "NoneType" and not any(differ)  # DDP averaged every step: no local SGD
+        assert len(warned) == 1 and "something else averaged the gradients" in warned[0], warned
+        assert "model=ddp_model" in warned[0] and "sync #1" in warned[0]

@@ -247,3 +247,45 @@ def test_ddp_that_flodl_was_not_given_is_reported():
         assert bridge == "NoneType" and not any(differ)  # DDP averaged every step: no local SGD
         assert len(warned) == 1 and "something else averaged the gradients" in warned[0], warned
         assert "model=ddp_model" in warned[0] and "sync #1" in warned[0]
+
+
+# ---------------------------------------------------------------- init() before the launcher
+def test_init_in_a_world_of_one_then_launcher_variables_is_an_error(monkeypatch):
+    flo.init()
+    assert flo.size() == 1
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = nn.Linear(3, 1)
+    with pytest.raises(flo.ConfigError, match=r"world of one.*rank 1 of 2.*drop flo.init\(\)"):
+        flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, sync_every=2)
+
+
+def _late_group(rank, world, port):
+    """As under Lightning: flo.init() sees one process; the framework creates the group later."""
+    import warnings
+    flo.shutdown()  # leave the harness's group: start as a plain script would
+    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE")}
+    flo.init()
+    alone = flo.size()
+    os.environ.update(saved, MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(rank)  # different starting weights: the optimizer's broadcast must align them
+    model = nn.Linear(3, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, sync_every=2)
+    for step in range(2):
+        opt.zero_grad()
+        model(torch.full((4, 3), float(rank + step))).sum().backward()
+        opt.step()
+    return alone, flo.size(), opt.sync_count, [p.detach().clone() for p in model.parameters()], \
+        [str(w.message) for w in caught if "adopting the process group" in str(w.message)]
+
+
+def test_init_in_a_world_of_one_adopts_a_process_group_created_later():
+    from dist_harness import free_port
+    out = run_ranks(_late_group, 2, free_port(), timeout=60)
+    for alone, size, syncs, params, warned in out:
+        assert (alone, size, syncs, len(warned)) == (1, 2, 1, 1)
+    for a, b in zip(out[0][3], out[1][3]):
+        assert torch.equal(a, b)

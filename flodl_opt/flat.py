@@ -93,10 +93,17 @@ class FlatGroup:
         """
         for i, (t, ptr) in enumerate(zip(self.tensors, self._ptrs)):
             if t.data_ptr() != ptr or t.dtype != self.dtype or t.device != self.device:
+                # Same dtype and device: a copy, e.g. Accelerate's prepare() calls model.to(device),
+                # which copies even onto the device the model is already on.
+                copied = ("; same dtype and device, so it was copied: `p.data = ...`, or a .to() that "
+                          "copies, as Accelerate's prepare() does. With Accelerate, prepare the model "
+                          "first (model = accelerator.prepare(model)), then build the inner optimizer "
+                          "and LocalSGDOptimizer on it, then opt = accelerator.prepare(opt)"
+                          if t.dtype == self.dtype and t.device == self.device else "")
                 raise ConfigError(
                     f"flodl_opt: {self.role} #{i} (shape {tuple(t.shape)}) was replaced or moved after "
                     f"the optimizer was wrapped (now {t.dtype} on {t.device}, was {self.dtype} on "
-                    f"{self.device}). Move the model (.to/.cuda/.half) and load weights before "
+                    f"{self.device}{copied}). Move the model (.to/.cuda/.half) and load weights before "
                     "building LocalSGDOptimizer, or load them in place with "
                     "model.load_state_dict / param.copy_.")
 

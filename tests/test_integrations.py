@@ -289,3 +289,14 @@ def test_init_in_a_world_of_one_adopts_a_process_group_created_later():
         assert (alone, size, syncs, len(warned)) == (1, 2, 1, 1)
     for a, b in zip(out[0][3], out[1][3]):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- Accelerate's prepare() order
+def test_a_copying_to_after_wrapping_names_the_cause_and_the_fix():
+    model = nn.Linear(3, 2)
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, sync_every=1)
+    model.to(torch.device("cpu", 0))  # what accelerator.prepare(model) does: a copy, same device
+    model(torch.ones(1, 3)).sum().backward()
+    with pytest.raises(flo.ConfigError, match=r"same dtype and device, so it was copied.*Accelerate's "
+                       r"prepare\(\).*model = accelerator.prepare\(model\)"):
+        opt.step()

@@ -10,6 +10,7 @@ an outer optimizer step (DiLoCo, SlowMo, EASGD).
 """
 from .adaptive import AdaptiveSync
 from .consensus import SyncStats
+from .dcp import DCPState
 from .checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
 from .errors import (AveragedElsewhereWarning, CollectiveMismatchError, ConfigError, NonFiniteError,
                      NonFiniteWarning, SyncError)
@@ -34,5 +35,5 @@ __all__ = [
     "allreduce_", "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object",
     "broadcast_parameters", "broadcast_optimizer_state", "allreduce_async", "allreduce_async_",
     "allgather_async", "broadcast_async", "broadcast_async_", "poll", "synchronize", "join", "barrier",
-    "CollectiveMismatchError", "AveragedElsewhereWarning",
+    "CollectiveMismatchError", "AveragedElsewhereWarning", "DCPState",
 ]

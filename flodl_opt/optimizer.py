@@ -495,8 +495,9 @@ class LocalSGDOptimizer(WrappedOptimizer):
         ours = sd.pop(STATE_KEY, None)
         if ours is None:
             raise ConfigError("flodl_opt: this state dict has no 'flodl_opt' entry: it was not saved by "
-                              "LocalSGDOptimizer.state_dict(). Load a plain optimizer checkpoint with "
-                              "opt.optimizer.load_state_dict(sd) instead.")
+                              "LocalSGDOptimizer.state_dict() (torch.distributed.checkpoint's "
+                              "get_state_dict/set_state_dict drop it: use flo.DCPState(model, opt)). "
+                              "Load a plain optimizer checkpoint with opt.optimizer.load_state_dict(sd).")
         saved, now = {"wire": wire_config(), **ours["config"]}, self.config()
         if saved["flat"] != now["flat"]:
             raise ConfigError("flodl_opt: the checkpoint was saved for a different model (the synced "

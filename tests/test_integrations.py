@@ -300,3 +300,52 @@ def test_a_copying_to_after_wrapping_names_the_cause_and_the_fix():
     with pytest.raises(flo.ConfigError, match=r"same dtype and device, so it was copied.*Accelerate's "
                        r"prepare\(\).*model = accelerator.prepare\(model\)"):
         opt.step()
+
+
+# ---------------------------------------------------------------- torch.distributed.checkpoint
+def _dcp_build(seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2))
+    opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, sync_every=3,
+                                outer="diloco")
+    return model, opt
+
+
+def _dcp_steps(rank, model, opt, first, last):
+    for step in range(first, last + 1):
+        x, y = _amp_batch(rank, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x.float()), y.float()).backward()
+        opt.step()
+
+
+def _dcp_rank(rank, world, root):
+    import torch.distributed.checkpoint as dcp
+    model, opt = _dcp_build(0)
+    _dcp_steps(rank, model, opt, 1, 9)
+    want = [t.clone() for t in model.state_dict().values()], opt.state_dict()["flodl_opt"]["counters"]
+    out = {}
+    for save_at, replicated in ((4, False), (6, True)):
+        model, opt = _dcp_build(0)
+        _dcp_steps(rank, model, opt, 1, save_at)
+        path = os.path.join(root, f"{save_at}")
+        dcp.save({"train": flo.DCPState(model, opt, replicated_weights=replicated)}, checkpoint_id=path)
+        model, opt = _dcp_build(7)  # other weights, empty optimizer state: all must come from the file
+        dcp.load({"train": flo.DCPState(model, opt, replicated_weights=replicated)}, checkpoint_id=path)
+        _dcp_steps(rank, model, opt, save_at + 1, 9)
+        got = [t.clone() for t in model.state_dict().values()], opt.state_dict()["flodl_opt"]["counters"]
+        out[save_at] = all(torch.equal(a, b) for a, b in zip(got[0], want[0])) and got[1] == want[1]
+    try:
+        model, opt = _dcp_build(0)
+        _dcp_steps(rank, model, opt, 1, 2)
+        flo.DCPState(model, opt, replicated_weights=True).state_dict()
+    except flo.ConfigError as e:
+        out["between_syncs"] = str(e)
+    return out
+
+
+def test_dcp_save_and_load_resume_every_rank_exactly(tmp_path):
+    pytest.importorskip("torch.distributed.checkpoint")
+    for out in run_ranks(_dcp_rank, 2, str(tmp_path), timeout=90):
+        assert out[4] and out[6], out  # between syncs (all per rank) and at a sync (weights once)
+        assert "2 step(s) after the last sync" in out["between_syncs"]

@@ -349,3 +349,48 @@ def test_dcp_save_and_load_resume_every_rank_exactly(tmp_path):
     for out in run_ranks(_dcp_rank, 2, str(tmp_path), timeout=90):
         assert out[4] and out[6], out  # between syncs (all per rank) and at a sync (weights once)
         assert "2 step(s) after the last sync" in out["between_syncs"]
+
+
+# ---------------------------------------------------------------- Accelerate (optional extra)
+def _accelerate_rank(rank, world, root, order):
+    from accelerate import Accelerator
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    if order == "documented":  # prepare(model, opt) copies the params after the wrap
+        opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, sync_every=2)
+        model, opt = acc.prepare(model, opt)
+    else:                      # the recipe: prepare the model, wrap, prepare the optimizer
+        model = acc.prepare(model)
+        opt = acc.prepare(flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                model=model, sync_every=2))
+    differ = []
+    try:
+        for step in range(1, 6):
+            x, _ = _amp_batch(rank, step)
+            opt.zero_grad()
+            acc.backward(model(x.float()).square().mean())
+            opt.step()
+            mine = torch.cat([p.detach().flatten() for p in model.parameters()])
+            both = [torch.empty_like(mine) for _ in range(world)]
+            torch.distributed.all_gather(both, mine)
+            differ.append(not torch.equal(both[0], both[1]))
+        opt.optimizer.sync()  # the final sync: 5 steps is not a multiple of K
+    except flo.ConfigError as e:
+        return str(e)
+    acc.save_state(root)
+    acc.wait_for_everyone()
+    import safetensors.torch as st
+    saved = st.load_file(os.path.join(root, "model.safetensors"))
+    ours = acc.unwrap_model(model).state_dict()
+    return differ, sorted(saved) == sorted(ours) and all(torch.equal(saved[k], ours[k]) for k in ours)
+
+
+def test_accelerate_recipe_trains_locally_and_saves_every_tensor(tmp_path):
+    pytest.importorskip("accelerate", reason="accelerate is not installed (optional integration extra)")
+    pytest.importorskip("safetensors", reason="safetensors is not installed")
+    for differ, saved_ok in run_ranks(_accelerate_rank, 2, str(tmp_path), "recipe", timeout=90):
+        assert differ == [True, False, True, False, True], differ  # apart but at the syncs (steps 2, 4)
+        assert saved_ok
+    for message in run_ranks(_accelerate_rank, 2, str(tmp_path / "d"), "documented", timeout=90):
+        assert "Accelerate's prepare()" in message and "accelerator.prepare(model)" in message

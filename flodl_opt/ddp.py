@@ -53,6 +53,18 @@ def find_ddp(model: Optional[nn.Module]) -> Optional[nn.Module]:
     return None
 
 
+def _trainer_ddp(model: Optional[nn.Module]) -> Optional[nn.Module]:
+    """Lightning: the strategy's DDP wrapper around a LightningModule passed as ``model=self``.
+
+    Read by duck typing (``module._trainer.strategy.model``), so Lightning is never imported.
+    """
+    trainer = model.__dict__.get("_trainer") if model is not None else None
+    wrapper = getattr(getattr(trainer, "strategy", None), "model", None)
+    if is_ddp(wrapper) and any(m is model for m in wrapper.module.modules()):
+        return wrapper
+    return None
+
+
 class _Phase:
     """The hook's state: whether the optimizer that owns this DDP model is past its warm-up."""
 
@@ -134,7 +146,7 @@ def _stop_buffer_broadcast(ddp_model: nn.Module) -> None:
 def attach(model: Optional[nn.Module], optimizer: Any, warmup_steps: int,
            process_group=None) -> Optional[DDPBridge]:
     """Install the local-SGD bridge on ``model`` if it is (or compiles) a DDP model; None otherwise."""
-    model = find_ddp(model)
+    model = find_ddp(model) or _trainer_ddp(model)
     if model is None or not dist.is_initialized():
         return None
     ddp_group = getattr(model, "process_group", None)

@@ -394,3 +394,54 @@ def test_accelerate_recipe_trains_locally_and_saves_every_tensor(tmp_path):
         assert saved_ok
     for message in run_ranks(_accelerate_rank, 2, str(tmp_path / "d"), "documented", timeout=90):
         assert "Accelerate's prepare()" in message and "accelerator.prepare(model)" in message
+
+
+# ---------------------------------------------------------------- Lightning (optional extra)
+def _lightning_rank(rank, world, root):
+    import warnings
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+        def training_step(self, batch, i):
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            inner = torch.optim.SGD(self.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(inner, step_size=2, gamma=0.5)
+            # model=self: the strategy's DDP wrapper around it is found and made local
+            self.flo = flo.LocalSGDOptimizer(inner, model=self, sync_every=3, lr_scheduler=sched)
+            return self.flo
+
+        def on_train_end(self):
+            self.flo.sync()  # the final sync: max_steps=5 is not a multiple of K=3
+
+    g = torch.Generator().manual_seed(rank)
+    data = TensorDataset(torch.randn(40, 4, generator=g), torch.randn(40, 2, generator=g))
+    module = Module()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=5, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=root)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(data, batch_size=4))
+    opt = module.flo
+    return (type(opt._ddp).__name__, opt.last_sync.steps, opt.last_sync.divergence, opt.sync_count,
+            opt.param_groups[0]["lr"], [p.detach().clone() for p in module.parameters()],
+            [str(w.message) for w in caught if issubclass(w.category, flo.AveragedElsewhereWarning)])
+
+
+def test_lightning_ddp_with_model_self_trains_locally(tmp_path):
+    pytest.importorskip("lightning", reason="lightning is not installed (optional integration extra)")
+    out = run_ranks(_lightning_rank, 2, str(tmp_path), timeout=120)
+    for bridge, steps, divergence, syncs, lr, params, warned in out:
+        assert bridge == "DDPBridge" and warned == []
+        assert syncs == 2 and steps == 2 and lr == 0.025  # synced at 3, then the final sync after 5
+        assert divergence > 1e-3  # the ranks trained apart (DDP averaging every step gives 0.0)
+    for a, b in zip(out[0][5], out[1][5]):
+        assert torch.equal(a, b)

@@ -445,3 +445,31 @@ def test_lightning_ddp_with_model_self_trains_locally(tmp_path):
         assert divergence > 1e-3  # the ranks trained apart (DDP averaging every step gives 0.0)
     for a, b in zip(out[0][5], out[1][5]):
         assert torch.equal(a, b)
+
+
+def _amp_stream_rank(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=_AMP_LR), model=model,
+                                sync_every=4, fragments=2, overlap_steps=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6)
+    counts = []
+    for step in range(1, 10):
+        x, y = _amp_batch(rank, step)
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x.float()), y.float())).backward()
+        if (rank, step) in ((1, 3), (0, 6)):
+            model[0].weight.grad[0, 0] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+        counts.append(opt.sync_count)
+    opt.sync()
+    return counts, opt.global_steps, [p.detach().clone() for p in model.parameters()]
+
+
+def test_gradscaler_overflow_keeps_streaming_syncs_aligned():
+    (c0, g0, p0), (c1, g1, p1) = run_ranks(_amp_stream_rank, 2, timeout=60, collective_timeout=10)
+    assert c0 == c1 and c0[-1] >= 3  # the same fragment syncs at the same steps on both ranks
+    assert g0 == g1 == 2 * 9 - 2     # the two skipped steps did no work
+    for a, b in zip(p0, p1):
+        assert torch.equal(a, b)

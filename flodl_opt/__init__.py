@@ -10,8 +10,10 @@ an outer optimizer step (DiLoCo, SlowMo, EASGD).
 """
 from .adaptive import AdaptiveSync
 from .consensus import SyncStats
+from .dcp import DCPState
 from .checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
-from .errors import CollectiveMismatchError, ConfigError, NonFiniteError, NonFiniteWarning, SyncError
+from .errors import (AveragedElsewhereWarning, CollectiveMismatchError, ConfigError, NonFiniteError,
+                     NonFiniteWarning, SyncError)
 from .horovod import (Adasum, Average, Compression, DistributedOptimizer, Max, Min, Product, Sum,
                       allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters)
 from .collectives import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
@@ -33,5 +35,5 @@ __all__ = [
     "allreduce_", "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object",
     "broadcast_parameters", "broadcast_optimizer_state", "allreduce_async", "allreduce_async_",
     "allgather_async", "broadcast_async", "broadcast_async_", "poll", "synchronize", "join", "barrier",
-    "CollectiveMismatchError",
+    "CollectiveMismatchError", "AveragedElsewhereWarning", "DCPState",
 ]

@@ -431,6 +431,17 @@ class _AllreduceFn(torch.autograd.Function):
                          process_group=group), None, None, None, None, None
 
 
+def _require_tensor(kind: int, tensor: Any, name: Optional[str], group) -> None:
+    """Refuse a non-tensor on every rank (it still sends a refusing signature, so peers raise too)."""
+    if isinstance(tensor, torch.Tensor):
+        return
+    error = (f"{_KIND_NAMES[kind]} takes a torch.Tensor, got {type(tensor).__name__}"
+             + (" (e.g. the .grad of a parameter that has none yet)" if tensor is None else ""))
+    if _group_size(group) > 1:
+        _negotiate(_Call(kind, name, error=error), group)
+    raise ConfigError(error)
+
+
 def _reduce_args(average, op, prescale_factor, postscale_factor) -> Tuple[ReduceOp, float, float, Optional[str]]:
     """The op and factors, or a refusal that travels in the signature (so every rank raises)."""
     try:
@@ -443,6 +454,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, process_group=None) -> int:
     """Start an in-place allreduce of ``tensor``; returns a handle for ``poll``/``synchronize``."""
+    _require_tensor(_ALLREDUCE, tensor, name, process_group)
     op_, pre, post, error = _reduce_args(average, op, prescale_factor, postscale_factor)
     return _start_allreduce(tensor, tensor, op_, pre, post, name, process_group, error=error)
 
@@ -457,6 +469,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
         h = hvd.allreduce_async(torch.tensor([n_correct]), op=hvd.Sum, name="correct")
         correct = hvd.synchronize(h)
     """
+    _require_tensor(_ALLREDUCE, tensor, name, process_group)
     op_, pre, post, error = _reduce_args(average, op, prescale_factor, postscale_factor)
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return _start_allreduce(tensor, out, op_, pre, post, name, process_group, error=error)
@@ -466,6 +479,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0, process_group=None, compression=None) -> torch.Tensor:
     """In-place ``allreduce`` (Horovod's ``allreduce_``); returns ``tensor``."""
+    _require_tensor(_ALLREDUCE, tensor, name, process_group)
     if compression is not None and compression is not Compression.none:
         with torch.no_grad():
             return tensor.copy_(allreduce(tensor.detach(), average, name, op, prescale_factor,
@@ -490,6 +504,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
         val_loss = hvd.allreduce(torch.tensor(local_loss), name="val_loss")   # mean over ranks
         correct = hvd.allreduce(torch.tensor(n_correct), op=hvd.Sum)
     """
+    _require_tensor(_ALLREDUCE, tensor, name, process_group)
     op_, pre, post, error = _reduce_args(average, op, prescale_factor, postscale_factor)
     ctx = None
     if compression is not None:
@@ -563,6 +578,7 @@ class _AllgatherFn(torch.autograd.Function):
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_group=None) -> int:
     """Start an ``allgather``; returns a handle for ``poll``/``synchronize``."""
+    _require_tensor(_ALLGATHER, tensor, name, process_group)
     return _start_allgather(tensor, name, process_group)[0]
 
 
@@ -577,6 +593,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_group=No
 
         all_preds = hvd.allgather(preds)          # (sum of ranks' rows, ...)
     """
+    _require_tensor(_ALLGATHER, tensor, name, process_group)
     if torch.is_grad_enabled() and tensor.requires_grad:
         return _AllgatherFn.apply(tensor, name, process_group)
     return synchronize(allgather_async(tensor, name, process_group))
@@ -639,12 +656,14 @@ class _BroadcastFn(torch.autograd.Function):
 def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = None,
                      process_group=None) -> int:
     """Start overwriting ``tensor`` with root's value in place; returns a handle."""
+    _require_tensor(_BROADCAST, tensor, name, process_group)
     return _start_broadcast(tensor, tensor, root_rank, name, process_group)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = None,
                     process_group=None) -> int:
     """Start a broadcast of root's ``tensor`` into a new tensor; returns a handle."""
+    _require_tensor(_BROADCAST, tensor, name, process_group)
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return _start_broadcast(tensor, out, root_rank, name, process_group)
 
@@ -652,6 +671,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str
 def broadcast_(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = None,
                process_group=None) -> torch.Tensor:
     """Overwrite ``tensor`` with root's value, in place (Horovod's ``broadcast_``)."""
+    _require_tensor(_BROADCAST, tensor, name, process_group)
     return synchronize(broadcast_async_(tensor, root_rank, name, process_group))
 
 
@@ -666,6 +686,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = No
 
         w = hvd.broadcast(torch.randn(3), root_rank=0, name="w")   # rank 0's draw everywhere
     """
+    _require_tensor(_BROADCAST, tensor, name, process_group)
     if torch.is_grad_enabled() and tensor.requires_grad:
         return _BroadcastFn.apply(tensor, root_rank, name, process_group)
     return synchronize(broadcast_async(tensor, root_rank, name, process_group))

@@ -535,6 +535,13 @@ class DistributedOptimizer(WrappedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._should_synchronize:
+            if self._synchronized:
+                # Horovod warns here (it would reduce a second time); nothing is reduced twice
+                # here, but the warning keeps a Horovod script's behaviour and points at the fix.
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after "
+                              "optimizer.synchronize(): the gradients are not reduced again, but "
+                              "Horovod reduces them twice here; wrap the step in "
+                              "`with optimizer.skip_synchronize():`", stacklevel=2)
             self.synchronize()
         elif not self._synchronized and self._reducer is not None and self._reducer.open:
             # step() in skip_synchronize() without synchronize(): collectives are already in

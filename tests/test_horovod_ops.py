@@ -375,3 +375,79 @@ def test_sparse_gradients_densify_or_refuse_on_every_rank():
         ref -= 0.5 * grad
     for w in out:
         np.testing.assert_allclose(w, ref, rtol=1e-12)
+
+
+# ---------------------------------------------------------------- found by Horovod's own test file
+def rank_non_tensor(rank, world):
+    # e.g. Horovod's test_broadcast_state_no_grad broadcasts a .grad that is None here
+    calls = {
+        "allreduce": lambda t: hvd.allreduce(t, name="x"),
+        "allreduce_async_": lambda t: hvd.synchronize(hvd.allreduce_async_(t)),
+        "allgather": lambda t: hvd.allgather(t),
+        "broadcast": lambda t: hvd.broadcast(t, 0),
+        "broadcast_": lambda t: hvd.broadcast_(t, 0),
+    }
+    out = {}
+    for kind, call in calls.items():
+        for who in ("one", "all"):  # only rank 0 passes None / every rank does
+            bad = rank == 0 or who == "all"
+            out[f"{kind}_{who}"] = _catch(lambda: call(None if bad else torch.ones(3)))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_non_tensor_input_raises_on_every_rank(world):
+    out = run_ranks(rank_non_tensor, world, timeout=90)
+    for rank, res in enumerate(out):
+        for case, (err, alive) in res.items():
+            assert alive == world, (rank, case)  # the group is still in step
+            assert err is not None, (rank, case, "did not raise")
+            classes, msg = err
+            assert "ConfigError" in classes, (rank, case, classes, msg)
+            if rank == 0 or case.endswith("_all"):
+                assert "takes a torch.Tensor, got NoneType" in msg, (rank, case, msg)
+            else:  # a peer that passed a tensor learns of rank 0's refusal
+                assert "CollectiveMismatchError" in classes and "refused" in msg, (rank, case, msg)
+
+
+def rank_step_after_synchronize(rank, world):
+    import warnings
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1, bias=False).double()
+    w0 = model.weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters())
+    x = torch.full((1, 3), float(rank + 1), dtype=torch.float64)
+    counts = []
+    for mode in ("sync_then_step", "skip", "plain"):
+        opt.zero_grad()
+        model(x).sum().backward()
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            if mode == "sync_then_step":
+                opt.synchronize()
+                opt.step()  # Horovod warns here
+            elif mode == "skip":
+                opt.synchronize()
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+        counts.append([str(w.message) for w in ws])
+    return {"warnings": counts, "w0": w0.numpy(), "w": model.weight.detach().numpy()}
+
+
+def test_step_after_synchronize_warns_as_horovod_and_reduces_once():
+    world = 2
+    out = run_ranks(rank_step_after_synchronize, world, timeout=60)
+    # float64 reference: d(sum(w.x))/dw = x, averaged over ranks = mean(rank + 1) per entry;
+    # three steps of lr 0.5, each reducing once (a second reduction of an average is the same
+    # average, so the count of collectives is what test_horovod.py checks; here: the values)
+    avg = np.mean([r + 1.0 for r in range(world)])
+    for res in out:
+        sync_step, skip, plain = res["warnings"]
+        assert len(sync_step) == 1 and "optimizer.step() called without optimizer.skip_synchronize()" \
+            in sync_step[0], sync_step
+        assert skip == [] and plain == [], (skip, plain)
+        np.testing.assert_allclose(res["w"], res["w0"] - 3 * 0.5 * avg, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(out[0]["w"], out[1]["w"])

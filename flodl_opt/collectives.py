@@ -38,7 +38,8 @@ from .horovod import (Average, Compression, Max, Min, Product, ReduceOp, Sum, _c
 __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize", "join",
-    "barrier",
+    "barrier", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_",
 ]
 
 # ---------------------------------------------------------------- the signature
@@ -265,7 +266,8 @@ def poll(handle: int) -> bool:
 
 
 def synchronize(handle: int) -> torch.Tensor:
-    """Wait for the collective behind ``handle`` and return its result tensor.
+    """Wait for the collective behind ``handle`` and return its result tensor (a list of them for
+    a ``grouped_allreduce_async`` handle).
 
     Example::
 
@@ -517,6 +519,80 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     else:
         out = synchronize(allreduce_async(tensor, None, name, op_, pre, post, process_group))
     return out if compression is None else compression.decompress(out, ctx)
+
+
+# ---------------------------------------------------------------- grouped allreduce
+def _group_names(tensors: Sequence[torch.Tensor], name: Optional[str], group) -> List[str]:
+    """One name per tensor; the group size is in every name, so ranks passing lists of different
+    lengths disagree on the first tensor's signature (every rank raises) instead of pairing the
+    extra tensor with whatever collective a peer calls next."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        error = (f"grouped_allreduce takes a non-empty list or tuple of tensors, got "
+                 f"{type(tensors).__name__}{' (empty)' if isinstance(tensors, (list, tuple)) else ''}")
+        if _group_size(group) > 1:
+            _negotiate(_Call(_ALLREDUCE, name, error=error), group)
+        raise ConfigError(error)
+    base = "grouped_allreduce" if name is None else str(name)
+    return [f"{base}[{i}/{len(tensors)}]" for i in range(len(tensors))]
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                            name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_group=None, _inplace: bool = False) -> int:
+    """Start an allreduce of every tensor of the list; ``synchronize`` returns the list of results.
+
+    Unnamed groups in flight at the same time need names (``name=``), as their tensors are named
+    after the group.
+    """
+    names = _group_names(tensors, name, process_group)
+    start = allreduce_async_ if _inplace else allreduce_async
+    subs: List[int] = []
+    try:
+        for t, n in zip(tensors, names):
+            subs.append(start(t, average, n, op, prescale_factor, postscale_factor, process_group))
+    except BaseException:
+        for h in subs:  # every rank started these: finish them so the group stays in step
+            synchronize(h)
+        raise
+    works = [w for h in subs for w in _handles[h].works]
+    return _submit(works, lambda: [synchronize(h) for h in subs], None)  # type: ignore[arg-type,return-value]
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_group=None) -> int:
+    """In-place ``grouped_allreduce_async``."""
+    return grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                   process_group, _inplace=True)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                      name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_group=None) -> List[torch.Tensor]:
+    """Horovod's ``grouped_allreduce``: ``allreduce`` of each tensor of the list, same arguments.
+
+    Each tensor keeps every guarantee of ``allreduce`` (signature check, integer rules, gradient);
+    the tensors are reduced one after another, not fused (these are for small tensors).
+
+    Example::
+
+        loss, acc = hvd.grouped_allreduce([torch.tensor(l), torch.tensor(a)], name="metrics")
+    """
+    names = _group_names(tensors, name, process_group)
+    return [allreduce(t, average, n, op, prescale_factor, postscale_factor, process_group)
+            for t, n in zip(tensors, names)]
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                       name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_group=None) -> List[torch.Tensor]:
+    """In-place ``grouped_allreduce``; returns the same tensors."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,  # type: ignore[return-value]
+                                                postscale_factor, process_group))
 
 
 # ---------------------------------------------------------------- allgather

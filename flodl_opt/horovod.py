@@ -711,3 +711,54 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+# ---------------------------------------------------------------- build introspection
+# Horovod scripts (and Horovod's own tests) ask which backends the library was built with. Here
+# the collectives are torch.distributed's, so the answers describe the installed torch.
+def nccl_built() -> int:
+    """NCCL's version code (e.g. 22105 for 2.21.5) if torch.distributed has NCCL, else 0."""
+    if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()
+    return major * (10000 if (major, minor) >= (2, 9) else 1000) + minor * 100 + patch
+
+
+def gloo_built() -> bool:
+    """Whether torch.distributed has Gloo (the CPU collectives)."""
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def gloo_enabled() -> bool:
+    """As ``gloo_built()``: CPU tensors always go through Gloo here."""
+    return gloo_built()
+
+
+def mpi_built() -> bool:
+    """Whether torch.distributed has an MPI backend (flodl_opt never uses it for collectives)."""
+    return dist.is_available() and dist.is_mpi_available()
+
+
+def mpi_enabled() -> bool:
+    """False: mpirun may launch the ranks, but no collective goes through MPI."""
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False

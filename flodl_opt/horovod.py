@@ -404,7 +404,7 @@ class DistributedOptimizer(WrappedOptimizer):
     averaged step, so parameters stay identical), until every rank has joined.
 
     ``num_groups``/``groups`` are accepted for Horovod compatibility and ignored (buckets are
-    set by ``bucket_bytes``).
+    set by ``bucket_bytes``); Horovod's ``sparse=True`` is refused with a ``ConfigError``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
@@ -412,7 +412,11 @@ class DistributedOptimizer(WrappedOptimizer):
                  op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
                  num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
                  process_group: Optional[dist.ProcessGroup] = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True, sparse: Any = False):
+        if sparse:
+            raise ConfigError("DistributedOptimizer(sparse=True) (Horovod's allgather of sparse gradients) is "
+                              "not supported: pass sparse_as_dense=True to average them densely (not with "
+                              "SparseAdam, which needs sparse gradients)")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"DistributedOptimizer wraps a built torch.optim.Optimizer, got "
                               f"{type(optimizer).__name__}")

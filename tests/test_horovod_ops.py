@@ -507,3 +507,9 @@ def test_build_introspection_answers_for_the_installed_torch():
     assert hvd.cuda_built() is (torch.version.cuda is not None)
     if not torch.cuda.is_available():
         assert hvd.nccl_built() == 0
+
+
+def test_horovod_sparse_option_is_refused_clearly():
+    emb = nn.Embedding(10, 3, sparse=True)
+    with pytest.raises(hvd.ConfigError, match="sparse_as_dense=True"):
+        hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters())), sparse=True)

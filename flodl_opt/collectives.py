@@ -1,5 +1,5 @@
 """Horovod's raw collectives: ``allreduce``, ``allgather``, ``broadcast``, their ``_async`` forms,
-``poll``/``synchronize``, ``join`` and ``barrier``, with Horovod's guarantees.
+``grouped_allreduce``, ``poll``/``synchronize``, ``join`` and ``barrier``, with Horovod's guarantees.
 
 Every call first exchanges a small fixed-size signature (kind, dtype, device, shape, op or root,
 name, scale factors, whether it needs a gradient) with one ``all_gather``, then moves the data.

@@ -2,7 +2,8 @@
 
 Horovod users switch by renaming the import, so Horovod's ``test/parallel/test_torch.py`` is a fair
 acceptance test. This tool does not ship that file: pass your copy of it (from a Horovod checkout
-or ``https://raw.githubusercontent.com/horovod/horovod/<tag>/test/parallel/test_torch.py``). In a
+or ``https://raw.githubusercontent.com/horovod/horovod/<tag>/test/parallel/test_torch.py``; the
+sdist on PyPI does not include the tests). In a
 scratch directory it writes a two-line ``horovod.torch`` that re-exports ``flodl_opt`` and a small
 ``common.py`` with the three helpers the file imports, then runs each test on ``--np`` ranks under
 ``mpirun`` (as Horovod's CI does): all tests in one launch, then any test that the ranks did not

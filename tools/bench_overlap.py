@@ -71,12 +71,19 @@ def worker(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
+    if world == 1 and not dist.is_initialized():
+        # A world of one has no process group: make one of one rank (flo.init() adopts it), so the
+        # forced collectives below have a group to run on.
+        flo.shutdown()
+        dist.init_process_group(cfg["backend"], init_method=f"tcp://127.0.0.1:{bc._free_port()}",
+                                rank=0, world_size=1)
+        flo.init()
     runs = {}
     for name, kw in variants(cfg).items():
         model = _model(cfg, 0).to(dev)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if cuda else {}))
         opt = flo.LocalSGDOptimizer(inner, model=model, outer=cfg["outer"], stall_warning_s=None, **kw)
-        if world == 1 and cfg["backend"] == "nccl":  # force the collectives of a world of one
+        if world == 1:  # force the collectives of a world of one
             opt._consensus.distributed = True
             if opt._stream is not None:
                 opt._stream.distributed = True

@@ -188,8 +188,9 @@ def summarize(cell: Dict) -> List[Dict]:
 
 def markdown(tag: str, cell: Dict, rows: List[Dict]) -> str:
     cfg = cell["config"]
+    seeds = ",".join(str(s) for s in sorted({r["seed"] for rs in cell["runs"].values() for r in rs}))
     head = (f"**{tag}**: {cfg['ranks']} ranks, {cfg['params'] / 1e6:.2f}M params, {cfg['steps']} steps, "
-            f"seeds {cfg['seeds']}" + (" (PARTIAL: the run was cut short)" if cell["partial"] else ""))
+            f"seeds {seeds}" + (" (PARTIAL: the run was cut short)" if cell["partial"] else ""))
     ar_bytes = next((r["bytes"] for r in rows if r["method"] == "allreduce"), None)
     lines = [head, "", "| method | final val loss (mean +- sd) | min..max | vs allreduce (mean +- sd, paired) "
              "| vs one rank | syncs | MB per rank | fewer bytes | sum of params |",

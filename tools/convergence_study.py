@@ -18,6 +18,9 @@ import sys
 import time
 from typing import Dict, List
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _plot  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIM = os.path.join(ROOT, "tools", "cohort_sim.py")
 
@@ -205,12 +208,8 @@ def markdown(tag: str, cell: Dict, rows: List[Dict]) -> str:
 
 
 def plot(tag: str, cell: Dict, path: str, keep=None) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping the PNG (pip install flodl-opt[plot])")
+    plt = _plot.pyplot()
+    if plt is None:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
     names = [n for n in cell["runs"] if keep is None or n in keep]
@@ -235,12 +234,9 @@ def plot(tag: str, cell: Dict, path: str, keep=None) -> str:
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=6, ncol=2)
     cfg = cell["config"]
-    fig.suptitle(f"{tag}: {cfg['ranks']} ranks, {cfg['params'] / 1e6:.2f}M params, {cfg['steps']} steps, "
-                 f"seeds {cfg['seeds']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    title = (f"{tag}: {cfg['ranks']} ranks, {cfg['params'] / 1e6:.2f}M params, {cfg['steps']} steps, "
+             f"seeds {cfg['seeds']}")
+    return _plot.save(fig, path, title, dpi=100)
 
 
 def report(out_dir: str, fig_dir: str = None) -> str:

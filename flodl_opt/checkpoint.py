@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ConfigError
+from .flat import state_dict_views
 from .optimizer import STATE_KEY, LocalSGDOptimizer, unwrap_model
 
 FORMAT = "flodl_opt.checkpoint"
@@ -361,7 +362,8 @@ def save_checkpoint(path: PathLike, model: nn.Module, opt: LocalSGDOptimizer,
     if per_rank or rank == 0:
         piece["optimizer"] = _cpu(sd, copy)
     if not replicated_params:
-        piece["model"] = _cpu(inner_model.state_dict(), copy)
+        with state_dict_views():  # _cpu copies what it must; no second copy of the params
+            piece["model"] = _cpu(inner_model.state_dict(), copy)
     if world > 1:
         pieces: Optional[List[Any]] = [None] * world if rank == 0 else None
         dist.gather_object(piece, pieces, dst=src, group=group)
@@ -370,10 +372,12 @@ def save_checkpoint(path: PathLike, model: nn.Module, opt: LocalSGDOptimizer,
 
     handle = None
     if rank == 0:
+        with state_dict_views():
+            model_sd = inner_model.state_dict() if replicated_params else None
         payload = {
             "format": FORMAT, "version": FORMAT_VERSION, "world_size": world, "time": time.time(),
             "replicated_params": replicated_params,
-            "model": _cpu(inner_model.state_dict(), copy) if replicated_params else None,
+            "model": _cpu(model_sd, copy) if model_sd is not None else None,
             "outer": _cpu(outer, copy),
             "ranks": pieces,
         }

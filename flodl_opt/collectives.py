@@ -1,5 +1,5 @@
 """Horovod's raw collectives: ``allreduce``, ``allgather``, ``broadcast``, their ``_async`` forms,
-``poll``/``synchronize``, ``join`` and ``barrier``, with Horovod's guarantees.
+``grouped_allreduce``, ``poll``/``synchronize``, ``join`` and ``barrier``, with Horovod's guarantees.
 
 Every call first exchanges a small fixed-size signature (kind, dtype, device, shape, op or root,
 name, scale factors, whether it needs a gradient) with one ``all_gather``, then moves the data.
@@ -38,7 +38,8 @@ from .horovod import (Average, Compression, Max, Min, Product, ReduceOp, Sum, _c
 __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize", "join",
-    "barrier",
+    "barrier", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_",
 ]
 
 # ---------------------------------------------------------------- the signature
@@ -265,7 +266,8 @@ def poll(handle: int) -> bool:
 
 
 def synchronize(handle: int) -> torch.Tensor:
-    """Wait for the collective behind ``handle`` and return its result tensor.
+    """Wait for the collective behind ``handle`` and return its result tensor (a list of them for
+    a ``grouped_allreduce_async`` handle).
 
     Example::
 
@@ -431,6 +433,17 @@ class _AllreduceFn(torch.autograd.Function):
                          process_group=group), None, None, None, None, None
 
 
+def _require_tensor(kind: int, tensor: Any, name: Optional[str], group) -> None:
+    """Refuse a non-tensor on every rank (it still sends a refusing signature, so peers raise too)."""
+    if isinstance(tensor, torch.Tensor):
+        return
+    error = (f"{_KIND_NAMES[kind]} takes a torch.Tensor, got {type(tensor).__name__}"
+             + (" (e.g. the .grad of a parameter that has none yet)" if tensor is None else ""))
+    if _group_size(group) > 1:
+        _negotiate(_Call(kind, name, error=error), group)
+    raise ConfigError(error)
+
+
 def _reduce_args(average, op, prescale_factor, postscale_factor) -> Tuple[ReduceOp, float, float, Optional[str]]:
     """The op and factors, or a refusal that travels in the signature (so every rank raises)."""
     try:
@@ -443,6 +456,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, process_group=None) -> int:
     """Start an in-place allreduce of ``tensor``; returns a handle for ``poll``/``synchronize``."""
+    _require_tensor(_ALLREDUCE, tensor, name, process_group)
     op_, pre, post, error = _reduce_args(average, op, prescale_factor, postscale_factor)
     return _start_allreduce(tensor, tensor, op_, pre, post, name, process_group, error=error)
 
@@ -457,6 +471,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
         h = hvd.allreduce_async(torch.tensor([n_correct]), op=hvd.Sum, name="correct")
         correct = hvd.synchronize(h)
     """
+    _require_tensor(_ALLREDUCE, tensor, name, process_group)
     op_, pre, post, error = _reduce_args(average, op, prescale_factor, postscale_factor)
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return _start_allreduce(tensor, out, op_, pre, post, name, process_group, error=error)
@@ -466,6 +481,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0, process_group=None, compression=None) -> torch.Tensor:
     """In-place ``allreduce`` (Horovod's ``allreduce_``); returns ``tensor``."""
+    _require_tensor(_ALLREDUCE, tensor, name, process_group)
     if compression is not None and compression is not Compression.none:
         with torch.no_grad():
             return tensor.copy_(allreduce(tensor.detach(), average, name, op, prescale_factor,
@@ -490,6 +506,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
         val_loss = hvd.allreduce(torch.tensor(local_loss), name="val_loss")   # mean over ranks
         correct = hvd.allreduce(torch.tensor(n_correct), op=hvd.Sum)
     """
+    _require_tensor(_ALLREDUCE, tensor, name, process_group)
     op_, pre, post, error = _reduce_args(average, op, prescale_factor, postscale_factor)
     ctx = None
     if compression is not None:
@@ -502,6 +519,80 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     else:
         out = synchronize(allreduce_async(tensor, None, name, op_, pre, post, process_group))
     return out if compression is None else compression.decompress(out, ctx)
+
+
+# ---------------------------------------------------------------- grouped allreduce
+def _group_names(tensors: Sequence[torch.Tensor], name: Optional[str], group) -> List[str]:
+    """One name per tensor; the group size is in every name, so ranks passing lists of different
+    lengths disagree on the first tensor's signature (every rank raises) instead of pairing the
+    extra tensor with whatever collective a peer calls next."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        error = (f"grouped_allreduce takes a non-empty list or tuple of tensors, got "
+                 f"{type(tensors).__name__}{' (empty)' if isinstance(tensors, (list, tuple)) else ''}")
+        if _group_size(group) > 1:
+            _negotiate(_Call(_ALLREDUCE, name, error=error), group)
+        raise ConfigError(error)
+    base = "grouped_allreduce" if name is None else str(name)
+    return [f"{base}[{i}/{len(tensors)}]" for i in range(len(tensors))]
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                            name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_group=None, _inplace: bool = False) -> int:
+    """Start an allreduce of every tensor of the list; ``synchronize`` returns the list of results.
+
+    Unnamed groups in flight at the same time need names (``name=``), as their tensors are named
+    after the group.
+    """
+    names = _group_names(tensors, name, process_group)
+    start = allreduce_async_ if _inplace else allreduce_async
+    subs: List[int] = []
+    try:
+        for t, n in zip(tensors, names):
+            subs.append(start(t, average, n, op, prescale_factor, postscale_factor, process_group))
+    except BaseException:
+        for h in subs:  # every rank started these: finish them so the group stays in step
+            synchronize(h)
+        raise
+    works = [w for h in subs for w in _handles[h].works]
+    return _submit(works, lambda: [synchronize(h) for h in subs], None)  # type: ignore[arg-type,return-value]
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_group=None) -> int:
+    """In-place ``grouped_allreduce_async``."""
+    return grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                   process_group, _inplace=True)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                      name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_group=None) -> List[torch.Tensor]:
+    """Horovod's ``grouped_allreduce``: ``allreduce`` of each tensor of the list, same arguments.
+
+    Each tensor keeps every guarantee of ``allreduce`` (signature check, integer rules, gradient);
+    the tensors are reduced one after another, not fused (these are for small tensors).
+
+    Example::
+
+        loss, acc = hvd.grouped_allreduce([torch.tensor(l), torch.tensor(a)], name="metrics")
+    """
+    names = _group_names(tensors, name, process_group)
+    return [allreduce(t, average, n, op, prescale_factor, postscale_factor, process_group)
+            for t, n in zip(tensors, names)]
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                       name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_group=None) -> List[torch.Tensor]:
+    """In-place ``grouped_allreduce``; returns the same tensors."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,  # type: ignore[return-value]
+                                                postscale_factor, process_group))
 
 
 # ---------------------------------------------------------------- allgather
@@ -563,6 +654,7 @@ class _AllgatherFn(torch.autograd.Function):
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_group=None) -> int:
     """Start an ``allgather``; returns a handle for ``poll``/``synchronize``."""
+    _require_tensor(_ALLGATHER, tensor, name, process_group)
     return _start_allgather(tensor, name, process_group)[0]
 
 
@@ -577,6 +669,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_group=No
 
         all_preds = hvd.allgather(preds)          # (sum of ranks' rows, ...)
     """
+    _require_tensor(_ALLGATHER, tensor, name, process_group)
     if torch.is_grad_enabled() and tensor.requires_grad:
         return _AllgatherFn.apply(tensor, name, process_group)
     return synchronize(allgather_async(tensor, name, process_group))
@@ -639,12 +732,14 @@ class _BroadcastFn(torch.autograd.Function):
 def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = None,
                      process_group=None) -> int:
     """Start overwriting ``tensor`` with root's value in place; returns a handle."""
+    _require_tensor(_BROADCAST, tensor, name, process_group)
     return _start_broadcast(tensor, tensor, root_rank, name, process_group)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = None,
                     process_group=None) -> int:
     """Start a broadcast of root's ``tensor`` into a new tensor; returns a handle."""
+    _require_tensor(_BROADCAST, tensor, name, process_group)
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return _start_broadcast(tensor, out, root_rank, name, process_group)
 
@@ -652,6 +747,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str
 def broadcast_(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = None,
                process_group=None) -> torch.Tensor:
     """Overwrite ``tensor`` with root's value, in place (Horovod's ``broadcast_``)."""
+    _require_tensor(_BROADCAST, tensor, name, process_group)
     return synchronize(broadcast_async_(tensor, root_rank, name, process_group))
 
 
@@ -666,6 +762,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = No
 
         w = hvd.broadcast(torch.randn(3), root_rank=0, name="w")   # rank 0's draw everywhere
     """
+    _require_tensor(_BROADCAST, tensor, name, process_group)
     if torch.is_grad_enabled() and tensor.requires_grad:
         return _BroadcastFn.apply(tensor, root_rank, name, process_group)
     return synchronize(broadcast_async(tensor, root_rank, name, process_group))

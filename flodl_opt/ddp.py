@@ -23,6 +23,7 @@ The phase is read from the optimizer's step counter when the hook runs, so a res
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Optional
 
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import ConfigError
+from .errors import AveragedElsewhereWarning, ConfigError
 
 _ATTR = "_flodl_opt_bridge"
 
@@ -38,6 +39,30 @@ _ATTR = "_flodl_opt_bridge"
 def is_ddp(model: Optional[nn.Module]) -> bool:
     from torch.nn.parallel import DistributedDataParallel
     return isinstance(model, DistributedDataParallel)
+
+
+def find_ddp(model: Optional[nn.Module]) -> Optional[nn.Module]:
+    """The DDP wrapper ``model`` is or holds under ``torch.compile`` (``_orig_mod``), else None.
+
+    ``torch.compile(DDP(net))`` hides the DDP model; missed, it would all-reduce every gradient.
+    """
+    for _ in range(8):  # compile(compile(...)) nests; a few levels is plenty
+        if model is None or is_ddp(model):
+            return model
+        model = model.__dict__.get("_modules", {}).get("_orig_mod")
+    return None
+
+
+def _trainer_ddp(model: Optional[nn.Module]) -> Optional[nn.Module]:
+    """Lightning: the strategy's DDP wrapper around a LightningModule passed as ``model=self``.
+
+    Read by duck typing (``module._trainer.strategy.model``), so Lightning is never imported.
+    """
+    trainer = model.__dict__.get("_trainer") if model is not None else None
+    wrapper = getattr(getattr(trainer, "strategy", None), "model", None)
+    if is_ddp(wrapper) and any(m is model for m in wrapper.module.modules()):
+        return wrapper
+    return None
 
 
 class _Phase:
@@ -120,8 +145,9 @@ def _stop_buffer_broadcast(ddp_model: nn.Module) -> None:
 
 def attach(model: Optional[nn.Module], optimizer: Any, warmup_steps: int,
            process_group=None) -> Optional[DDPBridge]:
-    """Install the local-SGD bridge on ``model`` if it is a DDP model; None otherwise."""
-    if not is_ddp(model) or not dist.is_initialized():
+    """Install the local-SGD bridge on ``model`` if it is (or compiles) a DDP model; None otherwise."""
+    model = find_ddp(model) or _trainer_ddp(model)
+    if model is None or not dist.is_initialized():
         return None
     ddp_group = getattr(model, "process_group", None)
     if dist.get_world_size(ddp_group) != dist.get_world_size(process_group):
@@ -135,3 +161,31 @@ def attach(model: Optional[nn.Module], optimizer: Any, warmup_steps: int,
     bridge = DDPBridge(model, optimizer, warmup_steps)
     setattr(model, _ATTR, bridge)
     return bridge
+
+
+# Identical weights averaged with equal weights come back exact (divergence 0.0); other weights
+# or more ranks can leave a few float32 roundings. Real local steps leave far more than this.
+_SAME_WEIGHTS = 1e-6
+
+
+def watch_local_progress(stats: Any, world_size: int) -> bool:
+    """Warn if the ranks were identical before a sync after several local steps; keep watching?
+
+    Decided once, at the first sync where every rank took 2+ steps since the previous one. A
+    sync in warm-up (one step) or of a partly idle cohort cannot tell, so watching goes on.
+    """
+    if world_size < 2 or stats.skipped or stats.nonfinite_ranks or stats.divergence is None:
+        return True
+    if stats.steps < 2 or stats.movers < world_size or stats.cohort_steps < 2 * world_size:
+        return True
+    if stats.divergence <= _SAME_WEIGHTS:
+        warnings.warn(
+            f"flodl_opt: sync #{stats.sync} found this rank's weights equal to the consensus "
+            f"(divergence {stats.divergence:.1e}) after {stats.steps} local steps on every rank: "
+            "something else averaged the gradients every step, so no local SGD happened (and no "
+            "communication was saved). Pass the DistributedDataParallel wrapper as model= (e.g. "
+            "model=ddp_model or model=torch.compile(ddp_model)); under Lightning, "
+            "model=self.trainer.strategy.model, or a strategy without DDP's all-reduce. "
+            "Or: every rank reads the same batches (use a DistributedSampler).",
+            AveragedElsewhereWarning, stacklevel=5)
+    return False

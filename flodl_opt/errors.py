@@ -43,3 +43,11 @@ class NonFiniteError(FloatingPointError):
 
 class NonFiniteWarning(RuntimeWarning):
     """This rank's params were NaN/Inf at a sync: it got no vote and adopted the others' consensus."""
+
+
+class AveragedElsewhereWarning(UserWarning):
+    """The ranks' weights were identical before a sync that followed several local steps.
+
+    Something else averaged the gradients every step (a DDP model flodl_opt was not given, a
+    framework's own DDP wrapper), so no local SGD happened; or every rank trains on the same data.
+    """

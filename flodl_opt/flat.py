@@ -7,10 +7,13 @@ only their storage moves, once, into the flat buffer.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import OrderedDict
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
+from torch import nn
 
 from .errors import ConfigError
 
@@ -90,10 +93,17 @@ class FlatGroup:
         """
         for i, (t, ptr) in enumerate(zip(self.tensors, self._ptrs)):
             if t.data_ptr() != ptr or t.dtype != self.dtype or t.device != self.device:
+                # Same dtype and device: a copy, e.g. Accelerate's prepare() calls model.to(device),
+                # which copies even onto the device the model is already on.
+                copied = ("; same dtype and device, so it was copied: `p.data = ...`, or a .to() that "
+                          "copies, as Accelerate's prepare() does. With Accelerate, prepare the model "
+                          "first (model = accelerator.prepare(model)), then build the inner optimizer "
+                          "and LocalSGDOptimizer on it, then opt = accelerator.prepare(opt)"
+                          if t.dtype == self.dtype and t.device == self.device else "")
                 raise ConfigError(
                     f"flodl_opt: {self.role} #{i} (shape {tuple(t.shape)}) was replaced or moved after "
                     f"the optimizer was wrapped (now {t.dtype} on {t.device}, was {self.dtype} on "
-                    f"{self.device}). Move the model (.to/.cuda/.half) and load weights before "
+                    f"{self.device}{copied}). Move the model (.to/.cuda/.half) and load weights before "
                     "building LocalSGDOptimizer, or load them in place with "
                     "model.load_state_dict / param.copy_.")
 
@@ -120,3 +130,54 @@ def unique(tensors: Iterable[torch.Tensor]) -> List[torch.Tensor]:
 def signature(groups: Sequence[FlatGroup]) -> List[Tuple[str, str, List[Tuple[int, ...]]]]:
     """What must be identical on every rank for the collectives to line up."""
     return [(g.role, str(g.dtype), g.shapes) for g in groups]
+
+
+# ---------------------------------------------------------------- state dicts of a packed model
+# Packed params are views of one buffer, so a plain ``model.state_dict()`` would hand out tensors
+# that share storage. torch.save copes, but safetensors (``save_model``, Accelerate's
+# ``save_state``, HF ``save_pretrained``) reads them as tied weights: it drops all but one and
+# then refuses to load. A post-hook gives each packed entry its own storage instead.
+_HOOKED = "_flodl_opt_state_dict_hook"
+_views = threading.local()
+
+
+def own_storage_state_dicts(module: nn.Module) -> None:
+    """Make ``module.state_dict()`` (and every submodule's) return packed tensors as own copies.
+
+    Costs one copy of the packed tensors per ``state_dict()`` call. ``keep_vars=True`` still
+    returns the params themselves; ``load_state_dict`` copies into the views as before.
+    """
+    for m in module.modules():
+        if (m._parameters or m._buffers) and not getattr(m, _HOOKED, False):
+            m.register_state_dict_post_hook(_copy_shared_entries)
+            setattr(m, _HOOKED, True)
+
+
+@contextlib.contextmanager
+def state_dict_views() -> Iterator[None]:
+    """Inside: ``state_dict()`` returns the views (for code that copies every tensor anyway)."""
+    before = getattr(_views, "on", False)
+    _views.on = True
+    try:
+        yield
+    finally:
+        _views.on = before
+
+
+def _copy_shared_entries(module: nn.Module, state_dict: Dict, prefix: str, local_metadata) -> None:
+    if getattr(_views, "on", False):
+        return
+    for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+        key = prefix + name
+        v = state_dict.get(key)
+        # v is t itself under keep_vars=True: the caller asked for the live tensors.
+        if t is None or v is None or v is t or not _shares_storage(v):
+            continue
+        state_dict[key] = v.clone(memory_format=torch.contiguous_format)
+
+
+def _shares_storage(t: torch.Tensor) -> bool:
+    """A strided tensor that covers only part of its storage (a view of a flat buffer)."""
+    if type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided or t.is_meta:
+        return False
+    return t.untyped_storage().nbytes() != t.numel() * t.element_size()

@@ -404,7 +404,7 @@ class DistributedOptimizer(WrappedOptimizer):
     averaged step, so parameters stay identical), until every rank has joined.
 
     ``num_groups``/``groups`` are accepted for Horovod compatibility and ignored (buckets are
-    set by ``bucket_bytes``).
+    set by ``bucket_bytes``); Horovod's ``sparse=True`` is refused with a ``ConfigError``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
@@ -412,7 +412,11 @@ class DistributedOptimizer(WrappedOptimizer):
                  op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
                  num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
                  process_group: Optional[dist.ProcessGroup] = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True, sparse: Any = False):
+        if sparse:
+            raise ConfigError("DistributedOptimizer(sparse=True) (Horovod's allgather of sparse gradients) is "
+                              "not supported: pass sparse_as_dense=True to average them densely (not with "
+                              "SparseAdam, which needs sparse gradients)")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"DistributedOptimizer wraps a built torch.optim.Optimizer, got "
                               f"{type(optimizer).__name__}")
@@ -535,6 +539,13 @@ class DistributedOptimizer(WrappedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._should_synchronize:
+            if self._synchronized:
+                # Horovod warns here (it would reduce a second time); nothing is reduced twice
+                # here, but the warning keeps a Horovod script's behaviour and points at the fix.
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after "
+                              "optimizer.synchronize(): the gradients are not reduced again, but "
+                              "Horovod reduces them twice here; wrap the step in "
+                              "`with optimizer.skip_synchronize():`", stacklevel=2)
             self.synchronize()
         elif not self._synchronized and self._reducer is not None and self._reducer.open:
             # step() in skip_synchronize() without synchronize(): collectives are already in
@@ -704,3 +715,54 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+# ---------------------------------------------------------------- build introspection
+# Horovod scripts (and Horovod's own tests) ask which backends the library was built with. Here
+# the collectives are torch.distributed's, so the answers describe the installed torch.
+def nccl_built() -> int:
+    """NCCL's version code (e.g. 22105 for 2.21.5) if torch.distributed has NCCL, else 0."""
+    if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()
+    return major * (10000 if (major, minor) >= (2, 9) else 1000) + minor * 100 + patch
+
+
+def gloo_built() -> bool:
+    """Whether torch.distributed has Gloo (the CPU collectives)."""
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def gloo_enabled() -> bool:
+    """As ``gloo_built()``: CPU tensors always go through Gloo here."""
+    return gloo_built()
+
+
+def mpi_built() -> bool:
+    """Whether torch.distributed has an MPI backend (flodl_opt never uses it for collectives)."""
+    return dist.is_available() and dist.is_mpi_available()
+
+
+def mpi_enabled() -> bool:
+    """False: mpirun may launch the ranks, but no collective goes through MPI."""
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False

@@ -17,11 +17,14 @@ import datetime
 import hashlib
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from .errors import ConfigError
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -275,6 +278,7 @@ def ensure_init() -> None:
     Horovod does), so a forgotten call fails loudly instead of training N unsynced copies.
     """
     if _world is not None:
+        _check_still_alone()
         return
     if dist.is_available() and dist.is_initialized():
         init()
@@ -285,3 +289,33 @@ def ensure_init() -> None:
             f"flodl_opt is not initialized: this is rank {info.rank} of {info.size} ({info.launcher}); "
             "call flodl_opt.init() on every rank before building a flodl_opt optimizer")
     init()
+
+
+def _check_still_alone() -> None:
+    """``init()`` saw a world of one, but this process has since become one rank of several.
+
+    Frameworks with their own launcher (Lightning, Accelerate) set the launcher variables and
+    create the process group after a script's first lines ran: a ``flo.init()`` there sees a
+    world of one, and its optimizer would never sync. A process group created since is adopted;
+    launcher variables without one are an error, not N ranks training alone.
+    """
+    global _world
+    if _world is None or _world.info.size != 1 or _world.owns_group:
+        return
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        warnings.warn(f"flodl_opt: init() ran in a world of one; adopting the process group created "
+                      f"since ({dist.get_world_size()} ranks). Under a framework's launcher, drop the "
+                      "early flo.init(): flodl_opt adopts the framework's process group by itself.",
+                      stacklevel=4)
+        _world = None
+        init()
+        return
+    found = discover()
+    if found.size > 1:
+        raise ConfigError(
+            f"flodl_opt: init() ran when this process was a world of one, but {found.launcher}'s "
+            f"variables now make it rank {found.rank} of {found.size}, with no process group yet: "
+            "its optimizer would train this rank alone. Call flo.init() after the launcher has "
+            "started the ranks; under Lightning or Accelerate drop flo.init() and build the "
+            "optimizer after the framework set up distributed training (configure_optimizers, "
+            "after Accelerator()): flodl_opt adopts its process group.")

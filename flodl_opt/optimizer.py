@@ -35,10 +35,11 @@ from torch import nn
 
 from . import ddp, launch
 from .adaptive import DRIFT_BYTES, AdaptiveSync, make_adaptive, share_drift
+from .amp import scaler_says_skip
 from .consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
 from .wrapping import WrappedOptimizer, check_same_on_every_rank
 from .errors import ConfigError, NonFiniteWarning
-from .flat import FlatGroup, pack, signature, unique
+from .flat import FlatGroup, own_storage_state_dicts, pack, signature, unique
 from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
 from .stall import DEFAULT_STALL_WARNING_S, StallWatchdog
 from .wire import DEFAULT_WIRE_BLOCK, make_wire, wire_config
@@ -53,9 +54,9 @@ _STREAM_CONFIG = {"fragments": 1, "overlap_steps": 0}
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside DistributedDataParallel (or anything with a ``.module``)."""
-    from torch.nn.parallel import DistributedDataParallel
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    """The user's module inside DistributedDataParallel, also under ``torch.compile(DDP(net))``."""
+    found = ddp.find_ddp(model)
+    return found.module if found is not None else model
 
 
 class LocalSGDOptimizer(WrappedOptimizer):
@@ -94,6 +95,10 @@ class LocalSGDOptimizer(WrappedOptimizer):
             then merge it as ``W <- G + (W - S)`` (flodl_opt/streaming.py). Defaults (1, 0)
             are the blocking sync, bit for bit.
     """
+
+    # GradScaler then calls step() even when it found inf/NaN, so a skipped step still ticks the
+    # sync schedule (with zero work) and the ranks keep syncing at the same steps (flodl_opt/amp.py).
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[nn.Module] = None,
                  sync_every: Union[int, str, AdaptiveSync] = 16, warmup_steps: int = 0,
@@ -150,6 +155,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
         if self._wire is not None:
             self._wire.check_groups(self._param_groups_flat)
         self._buffer_groups_flat: List[FlatGroup] = pack(float_buffers, "buffer")
+        if inner_model is not None:  # packed tensors share one storage: state_dict() hands out copies
+            own_storage_state_dicts(inner_model)
 
         self._consensus = Consensus(
             self._param_groups_flat, self._buffer_groups_flat,
@@ -194,12 +201,14 @@ class LocalSGDOptimizer(WrappedOptimizer):
         self._param_slots = [(mod, name, p) for mod in (inner_model.modules() if inner_model is not None else ())
                              for name, p in mod._parameters.items() if p is not None and p.requires_grad]
 
-        self._local_steps = 0        # optimizer steps this rank took
-        self._steps_since_sync = 0   # n_i
+        self._local_steps = 0        # step() calls on this rank, GradScaler-skipped ones too
+        self._steps_since_sync = 0   # steps since the last sync (the schedule's clock)
+        self._skipped_since_sync = 0  # of which GradScaler skipped (no work): n_i = the difference
         self._sync_count = 0
         self._global_steps = 0       # steps taken by the whole cohort, summed at syncs
         self._joined = False
         self._checked_grads = False
+        self._watch_local = group_size > 1  # until a sync shows the ranks really trained apart
         self.last_sync: Optional[SyncStats] = None
         # A DDP model: stop its per-step gradient all-reduce after warm-up (flodl_opt/ddp.py).
         self._ddp = ddp.attach(model, self, self.warmup_steps, process_group) if group_size > 1 else None
@@ -244,7 +253,10 @@ class LocalSGDOptimizer(WrappedOptimizer):
     def _step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         if not self._checked_grads:
             self._check_grads()
-        if self.max_grad_norm is not None:
+        skipped = scaler_says_skip(self, self._params)  # None unless GradScaler.step called us
+        if skipped:
+            loss = None  # inf/NaN gradients: no inner step, but the step still counts (zero work)
+        elif self.max_grad_norm is not None:
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -261,10 +273,11 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self._train_stream = _stream_key(self._cuda_index)
         self._local_steps += 1
         self._steps_since_sync += 1
+        self._skipped_since_sync += bool(skipped)
         if self._stream is not None:  # per fragment: issue (count + async reduce) / merge when due
             if self._stream.schedule.issue_at(self._stream.clock + 1) is not None:
                 self._check_before_sync()
-            self._record(self._stream.on_step(worked=True, active=True))
+            self._record(self._stream.on_step(worked=not skipped, active=True))
         elif self._local_steps <= self.warmup_steps or self._steps_since_sync >= self.sync_every:
             self._sync()
         return loss
@@ -287,15 +300,17 @@ class LocalSGDOptimizer(WrappedOptimizer):
             assert self.last_sync is not None
             return self.last_sync
         try:
-            stats = self._run_consensus(self._steps_since_sync, self._sync_count + 1,
-                                        active=not self._joined)             # count -> reduce -> readout
+            stats = self._run_consensus(self._steps_since_sync - self._skipped_since_sync,
+                                        self._sync_count + 1, active=not self._joined)  # count -> reduce -> readout
             self._sync_count += 1
             self._global_steps += stats.cohort_steps
-            self._steps_since_sync = 0
+            self._steps_since_sync = self._skipped_since_sync = 0
             if not stats.skipped:
                 self._outer_step(stats)
                 if self._adaptive is not None:
                     self._next_period(stats)
+            if self._watch_local:  # warns if something else averaged the gradients (ddp.py)
+                self._watch_local = ddp.watch_local_progress(stats, self._consensus.world_size)
             stats.next_every = self.sync_every
         finally:
             if train is not None:  # the next forward on the training stream comes after the sync
@@ -461,7 +476,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
             "version": STATE_VERSION,
             "config": self.config(),
             "counters": {"local_steps": self._local_steps, "steps_since_sync": self._steps_since_sync,
-                         "sync_count": self._sync_count, "global_steps": self._global_steps},
+                         "sync_count": self._sync_count, "global_steps": self._global_steps,
+                         "skipped_since_sync": self._skipped_since_sync},
             "outer": self.outer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
         }
@@ -479,8 +495,9 @@ class LocalSGDOptimizer(WrappedOptimizer):
         ours = sd.pop(STATE_KEY, None)
         if ours is None:
             raise ConfigError("flodl_opt: this state dict has no 'flodl_opt' entry: it was not saved by "
-                              "LocalSGDOptimizer.state_dict(). Load a plain optimizer checkpoint with "
-                              "opt.optimizer.load_state_dict(sd) instead.")
+                              "LocalSGDOptimizer.state_dict() (torch.distributed.checkpoint's "
+                              "get_state_dict/set_state_dict drop it: use flo.DCPState(model, opt)). "
+                              "Load a plain optimizer checkpoint with opt.optimizer.load_state_dict(sd).")
         saved, now = {"wire": wire_config(), **ours["config"]}, self.config()
         if saved["flat"] != now["flat"]:
             raise ConfigError("flodl_opt: the checkpoint was saved for a different model (the synced "
@@ -497,6 +514,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         c = ours["counters"]
         self._local_steps, self._steps_since_sync = c["local_steps"], c["steps_since_sync"]
         self._sync_count, self._global_steps = c["sync_count"], c["global_steps"]
+        self._skipped_since_sync = c.get("skipped_since_sync", 0)
         with torch.no_grad():
             self.outer.load_state_dict(ours["outer"])
         if self.lr_scheduler is not None and ours["lr_scheduler"] is not None:

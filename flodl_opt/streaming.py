@@ -55,6 +55,12 @@ from .outer import DiLoCo, OuterAvg, OuterOptimizer, SlowMo
 _BLOCK = 1 << 18  # elements per block of the fused local passes (1 MiB of float32 stays in cache)
 
 
+def _block(t: torch.Tensor) -> int:
+    """Elements per block for ``t``: cache-sized on the CPU; on a GPU one block per tensor, since
+    there blocking only multiplies kernel launches (host time, right before a host sync)."""
+    return _BLOCK if t.device.type == "cpu" else max(1, t.numel())
+
+
 # ------------------------------------------------------------------ fragments
 @dataclass(frozen=True)
 class Slice:
@@ -326,8 +332,9 @@ class StreamingSync:
             squares = []
             for k, (live, s, b) in enumerate(zip(lives, sent, buf)):
                 factor = mass if k < n_params else mover  # buffers: equal weight among movers
-                for i in range(0, live.numel(), _BLOCK):
-                    j = min(live.numel(), i + _BLOCK)
+                blk = _block(live)
+                for i in range(0, live.numel(), blk):
+                    j = min(live.numel(), i + blk)
                     s[i:j].copy_(live[i:j])
                     torch.mul(s[i:j], factor, out=b[i:j])
                     if k < n_params:
@@ -433,8 +440,9 @@ class StreamingSync:
                 b.div_(mass if k < n_params else movers)
             if self.readout:
                 for s, b in zip(sent[:n_params], buf[:n_params]):
-                    for i in range(0, b.numel(), _BLOCK):
-                        j = min(b.numel(), i + _BLOCK)
+                    blk = _block(b)
+                    for i in range(0, b.numel(), blk):
+                        j = min(b.numel(), i + blk)
                         post.append(_sq(b[i:j]))
                         diff.append(_sq(b[i:j] - s[i:j]))
             if self._outers and not isinstance(self.outer, OuterAvg):

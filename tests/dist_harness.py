@@ -148,3 +148,17 @@ def survivor_verdict(fn: Callable, out: str, **kwargs: Any) -> Any:
         raise AssertionError("rank 1 was meant to die, but every rank finished")
     return torch.load(out, weights_only=False)
 
+
+def sync_error_verdict(out: str, run: Callable[[], Any], describe: Callable[[Exception], dict]) -> dict:
+    """Run ``run()`` on the survivor; save (at ``out``) and return ``describe`` of its SyncError."""
+    import torch
+    import flodl_opt as flo
+    try:
+        run()
+    except flo.SyncError as exc:
+        result = describe(exc)
+    else:
+        result = {"msg": "no error"}
+    torch.save(result, out)
+    return result
+

@@ -485,3 +485,293 @@ def test_nccl_multi_gpu_premul_odd_sizes_match_float64():
     world = torch.cuda.device_count()
     weights = run_ranks(rank_nccl_multi_gpu, world, timeout=240, collective_timeout=60)
     assert weights == pytest.approx([(r + 1) / sum(range(1, world + 1)) for r in range(world)])
+
+
+# ------------------------------------------------------------------ the newer sync modes on CUDA
+# wire="bf16"/"int8", streaming (fragments, overlap_steps), sync_every="auto" and
+# DistributedOptimizer's gradient buckets, each on CUDA tensors: Gloo ranks sharing cuda:0 against
+# float64 references, and (streaming) the NCCL path of a world of one with its collectives forced.
+# FLODL_GPU_DRY_RUN=1 runs the Gloo cases below on CPU tensors: a check of the test code itself
+# on a machine without CUDA (the suite's conftest still skips them there otherwise).
+_DRY = os.environ.get("FLODL_GPU_DRY_RUN") == "1"
+
+
+def _gdev() -> torch.device:
+    return torch.device("cpu") if _DRY else torch.device("cuda", 0)
+
+
+def _side_stream(dev):
+    """Train on a non-default stream (ordered after what the default stream queued so far)."""
+    import contextlib
+    if dev.type != "cuda":
+        return contextlib.nullcontext()
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    return torch.cuda.stream(s)
+
+
+def _cpu64(t: torch.Tensor):
+    return t.detach().double().cpu().numpy().copy()
+
+
+def rank_wire_bound_cuda(rank, world, mode):
+    """tests/test_wire.py's consensus-within-bound case, with the param on cuda:0."""
+    import numpy as np
+    import test_wire as tw
+    dev = _gdev()
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(tw.N).to(dev))
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD([p], lr=0.1), sync_every=10 ** 9, wire=mode,
+                                stall_warning_s=None)
+    assert opt._wire is not None and opt._wire._groups[0].x.device == dev
+    cases = {2: [(1, 3), (0, 2), (2, 2)], 3: [(1, 4, 2), (0, 3, 1), (2, 2, 2), (1, 2, 3)]}[world]
+    worst = []
+    for t, steps in enumerate(cases):
+        anchor = _cpu64(p)
+        assert all(np.array_equal(anchor, a) for a in gather_object(anchor)), "anchor differs across ranks"
+        nan_rank = 1 if t == 3 else None
+        with torch.no_grad():
+            p.add_(tw._diff(rank, t).to(dev))
+            if rank == nan_rank:
+                p[5] = float("nan")
+        opt._steps_since_sync = steps[rank]
+        pre = gather_object(_cpu64(p))
+        stats = opt.sync()
+        got = _cpu64(p)
+        votes = np.array([0.0 if r == nan_rank else float(n) for r, n in enumerate(steps)])
+        f = votes / votes.sum()
+        x = np.stack([f[r] * (pre[r] - anchor) if f[r] > 0 else np.zeros(tw.N) for r in range(world)])
+        ref = anchor + x.sum(0)
+        err, bound = np.abs(got - ref), tw._bound(mode, x, anchor, ref)
+        assert np.all(err <= bound), (mode, t, float((err / bound).max()))
+        worst.append(float((err / bound).max()))
+        post = gather_object(p.detach().cpu().clone())
+        assert all(torch.equal(post[0], q) for q in post), f"params differ across ranks after sync {t}"
+    return worst, stats.bytes, stats.collectives
+
+
+@pytest.mark.parametrize("mode,world", [("bf16", 2), ("int8", 2), ("int8", 3)])
+def test_gloo_cuda_wire_consensus_within_bound_and_identical(mode, world):
+    import warnings
+    import test_wire as tw
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = run_ranks(rank_wire_bound_cuda, world, mode, timeout=180, collective_timeout=60)
+    worst, nbytes, collectives = out[0]
+    assert max(worst) > 0.05, worst   # the bound is not vacuous
+    payload = {"bf16": 2 * tw.N, "int8": tw.N + 4 * tw.N // tw.BLOCK}[mode]
+    assert nbytes == tw.COUNT_BYTES + payload and collectives == 3
+
+
+def _mlp_cuda(dev):
+    torch.manual_seed(0)
+    mods = []
+    for _ in range(4):
+        mods += [nn.Linear(6, 6), nn.Tanh()]
+    return nn.Sequential(*mods).to(dev)
+
+
+def _params_np(model):
+    return [_cpu64(p) for p in model.parameters()]
+
+
+def rank_stream_merge_cuda(rank, world, sync_every, fragments, tau, steps):
+    """Streaming on cuda:0, trained on a side stream; records what the float64 reference needs."""
+    dev = _gdev()
+    model = _mlp_cuda(dev)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=sync_every, fragments=fragments,
+                                overlap_steps=tau, outer=flo.DiLoCo(lr=0.7, momentum=0.9, nesterov=True,
+                                                                    warmup=0), stall_warning_s=None)
+    init, pre, post = _params_np(model), {}, {}
+    step = [0]
+
+    def hook(optimizer, args, kwargs):  # after the inner step, before the wrapper issues / merges
+        step[0] += 1
+        pre[step[0]] = _params_np(model)
+    inner.register_step_post_hook(hook)
+    with _side_stream(dev):
+        for t in range(1, steps + 1):
+            g = torch.Generator().manual_seed(1000 * rank + t)
+            x = torch.randn(8, 6, generator=g).to(dev)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            post[t] = _params_np(model)
+    opt.sync()   # from the default stream: drain + blocking sync of every fragment
+    final = [p.detach().cpu() for p in model.parameters()]
+    same = all(torch.equal(a, b) for a, b in zip(gather_object(final)[0], final))
+    return {"init": init, "pre": pre, "post": post, "same": same,
+            "frag_tensors": [f.tensors for f in opt._stream.fragments]}
+
+
+def _check_stream_reference(r0, r1, sync_every, fragments, tau, steps):
+    """Delayed-update merge with per-fragment DiLoCo (lr 0.7, Nesterov 0.9), in float64."""
+    import numpy as np
+    frag_of = [q for q, n in enumerate(r0["frag_tensors"]) for _ in range(n)]
+    n_t = len(frag_of)
+    lr, mu = 0.7, 0.9
+    anchor = [t.copy() for t in r0["init"]]
+    assert all(np.array_equal(x, y) for x, y in zip(r0["init"], r1["init"]))
+    mom = [np.zeros_like(t) for t in anchor]
+    last = {q: 0 for q in range(fragments)}
+    stride = sync_every // fragments
+    issue, merges = {}, 0
+    for t in range(1, steps + 1):
+        r = t % sync_every
+        p = r // stride if r % stride == 0 else None
+        merged = issue.pop(t - tau, None)
+        if merged is not None:
+            merges += 1
+            q, sent, m = merged
+            for k in [k for k in range(n_t) if frag_of[k] == q]:
+                c = (m[0] * sent[0][k] + m[1] * sent[1][k]) / (m[0] + m[1])
+                d = anchor[k] - c
+                mom[k] = mu * mom[k] + d
+                anchor[k] = anchor[k] - lr * (d + mu * mom[k])
+                for rr, rec in enumerate((r0, r1)):
+                    want = anchor[k] + (rec["pre"][t][k] - sent[rr][k])
+                    np.testing.assert_allclose(rec["post"][t][k], want, rtol=0, atol=5e-6,
+                                               err_msg=f"step {t} tensor {k} rank {rr}")
+        for rr, rec in enumerate((r0, r1)):
+            for k in range(n_t):
+                if merged is None or frag_of[k] != merged[0]:
+                    assert np.array_equal(rec["post"][t][k], rec["pre"][t][k]), (t, k, rr)
+        if p is not None:
+            issue[t] = (p, [r0["pre"][t], r1["pre"][t]], [t - last[p], t - last[p]])
+            last[p] = t
+    return merges
+
+
+@pytest.mark.parametrize("sync_every,fragments,tau,steps", [(4, 2, 1, 9), (16, 4, 2, 38)])
+def test_gloo_cuda_streaming_merge_matches_float64(sync_every, fragments, tau, steps):
+    out = run_ranks(rank_stream_merge_cuda, 2, sync_every, fragments, tau, steps, timeout=180,
+                    collective_timeout=60)
+    assert len(out[0]["frag_tensors"]) == fragments
+    merges = _check_stream_reference(out[0], out[1], sync_every, fragments, tau, steps)
+    assert merges >= fragments
+    assert out[0]["same"] and out[1]["same"], "ranks differ after the closing sync()"
+
+
+def _stream_nccl_run(dev, force: bool, steps: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                          nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8)).to(dev)
+    opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model,
+                                sync_every=16, fragments=4, overlap_steps=2, outer="diloco",
+                                stall_warning_s=None)
+    if force:   # a world of one makes no collectives: drive the NCCL async path anyway
+        opt._stream.distributed = True
+    seen = {"collectives": 0, "bytes": 0}
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    g = torch.Generator(device=dev).manual_seed(3)
+    with torch.cuda.stream(s):
+        for t in range(steps):
+            x = torch.randn(32, 64, generator=g, device=dev)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            st = opt.last_sync
+            if st is not None and opt.sync_count > seen.get("n", 0):
+                seen["n"] = opt.sync_count
+                seen["collectives"] += st.collectives
+                seen["bytes"] += st.bytes
+    opt.sync()   # the default stream: fenced after the side stream's steps
+    torch.cuda.synchronize()
+    return [p.detach().cpu().clone() for p in model.parameters()], seen, opt.sync_count
+
+
+def test_nccl_streaming_world_of_one_forced_matches_local(nccl_one):
+    """fragments=4, overlap_steps=2: async NCCL all_reduce (its own stream) of each fragment,
+    training on a side stream meanwhile. With one rank the result must equal the run without
+    collectives bit for bit (SUM of one rank), with every fragment sync's collectives issued."""
+    steps = 80
+    local, seen_local, n_local = _stream_nccl_run(nccl_one, False, steps)
+    forced, seen_forced, n_forced = _stream_nccl_run(nccl_one, True, steps)
+    assert n_local == n_forced >= steps // 4
+    assert seen_local["collectives"] == 0 and seen_forced["collectives"] >= 2 * (steps // 4 - 1)
+    for a, b in zip(local, forced):
+        assert torch.equal(a, b), "NCCL streaming path differs from the local one at a world of one"
+
+
+def rank_auto_cuda(rank, world):
+    """sync_every='auto' on cuda:0: ranks with different readouts agree on every K (the rule)."""
+    import test_adaptive as ta
+    dev = _gdev()
+    ctl = flo.AdaptiveSync(min_every=1, max_every=12, target=0.02, initial=4)
+    model = ta._model().to(dev)
+    opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-2), model=model,
+                                sync_every=ctl, stall_warning_s=None)
+    seen, log = None, []
+    for i in range(60):
+        x, y = ta._batch(rank, i)
+        opt.zero_grad()
+        (model(x.to(dev)) - y.to(dev)).pow(2).mean().backward()
+        opt.step()
+        s = opt.last_sync
+        if s is not None and s is not seen:
+            seen = s
+            log.append({"steps": s.steps, "div": s.divergence, "k": s.next_every, "every": opt.sync_every,
+                        "cohort": s.cohort_divergence,
+                        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()})
+    everyone = gather_object([{k: v for k, v in e.items() if k != "params"} for e in log])
+    params = gather_object([e["params"] for e in log])
+    for r in range(world):
+        for a, b in zip(params[r], params[0]):
+            assert torch.equal(a, b)
+    return everyone
+
+
+def test_gloo_cuda_auto_ranks_agree_and_follow_the_rule():
+    import test_adaptive as ta
+    # 3 ranks: with 2, both are equally far from their midpoint and the readouts always agree
+    everyone = run_ranks(rank_auto_cuda, 3, timeout=180, collective_timeout=60)[0]
+    syncs = list(zip(*everyone))
+    assert len(syncs) >= 5
+    k = 4
+    for recs in syncs:
+        divs = [e["div"] for e in recs]
+        assert len({round(d, 12) for d in divs}) == len(divs), divs
+        want = ta._reference_next(k, divs, [e["steps"] for e in recs], 1, 12, 0.02, 2.0)
+        assert all(e["k"] == want == e["every"] for e in recs)
+        rms = math.sqrt(sum(d * d for d in divs) / len(divs))
+        assert all(e["cohort"] == pytest.approx(rms, rel=1e-12) for e in recs)
+        k = want
+    assert len({recs[0]["k"] for recs in syncs}) > 1
+
+
+def rank_buckets_cuda(rank, world, steps, rows):
+    import test_grad_buckets as tg
+    dev = _gdev()
+    model = tg._Net().to(dev)
+    opt = flo.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=tg.LR, momentum=0.9),
+                                   named_parameters=model.named_parameters(), bucket_bytes=tg.TINY)
+    counts = []
+    for x, y in tg._batches(steps, rows * world, seed=7):
+        x, y = x.to(dev), y.to(dev)
+        opt.zero_grad()
+        part = slice(rank * rows, (rank + 1) * rows)
+        with tg._Counting() as c:
+            loss = (model(x[part]) - y[part]).pow(2).mean()
+            c.backward = True
+            loss.backward()
+            c.backward = False
+            opt.step()
+        counts.append((c.calls, c.in_backward))
+    n_buckets = sum(len(b.buckets) for b in opt._buffers)
+    return tg._flat(model).cpu().numpy(), counts, n_buckets
+
+
+def test_gloo_cuda_gradient_buckets_equal_the_concatenated_batch():
+    import test_grad_buckets as tg
+    steps, rows = 3, 4
+    out = run_ranks(rank_buckets_cuda, 2, steps, rows, timeout=180, collective_timeout=60)
+    ref = tg._reference(2, steps, rows)
+    for r, (params, counts, n_buckets) in enumerate(out):
+        assert n_buckets == 10
+        err = (torch.from_numpy(params) - ref).abs().max()
+        assert err < 1e-12, (r, err)   # float64 on the GPU against float64 on the CPU
+        for calls, in_backward in counts:
+            assert calls == n_buckets and in_backward >= 2, counts
+    assert (out[1][0] == out[0][0]).all()

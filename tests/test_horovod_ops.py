@@ -375,3 +375,141 @@ def test_sparse_gradients_densify_or_refuse_on_every_rank():
         ref -= 0.5 * grad
     for w in out:
         np.testing.assert_allclose(w, ref, rtol=1e-12)
+
+
+# ---------------------------------------------------------------- found by Horovod's own test file
+def rank_non_tensor(rank, world):
+    # e.g. Horovod's test_broadcast_state_no_grad broadcasts a .grad that is None here
+    calls = {
+        "allreduce": lambda t: hvd.allreduce(t, name="x"),
+        "allreduce_async_": lambda t: hvd.synchronize(hvd.allreduce_async_(t)),
+        "allgather": lambda t: hvd.allgather(t),
+        "broadcast": lambda t: hvd.broadcast(t, 0),
+        "broadcast_": lambda t: hvd.broadcast_(t, 0),
+    }
+    out = {}
+    for kind, call in calls.items():
+        for who in ("one", "all"):  # only rank 0 passes None / every rank does
+            bad = rank == 0 or who == "all"
+            out[f"{kind}_{who}"] = _catch(lambda: call(None if bad else torch.ones(3)))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_non_tensor_input_raises_on_every_rank(world):
+    out = run_ranks(rank_non_tensor, world, timeout=90)
+    for rank, res in enumerate(out):
+        for case, (err, alive) in res.items():
+            assert alive == world, (rank, case)  # the group is still in step
+            assert err is not None, (rank, case, "did not raise")
+            classes, msg = err
+            assert "ConfigError" in classes, (rank, case, classes, msg)
+            if rank == 0 or case.endswith("_all"):
+                assert "takes a torch.Tensor, got NoneType" in msg, (rank, case, msg)
+            else:  # a peer that passed a tensor learns of rank 0's refusal
+                assert "CollectiveMismatchError" in classes and "refused" in msg, (rank, case, msg)
+
+
+def rank_step_after_synchronize(rank, world):
+    import warnings
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1, bias=False).double()
+    w0 = model.weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters())
+    x = torch.full((1, 3), float(rank + 1), dtype=torch.float64)
+    counts = []
+    for mode in ("sync_then_step", "skip", "plain"):
+        opt.zero_grad()
+        model(x).sum().backward()
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            if mode == "sync_then_step":
+                opt.synchronize()
+                opt.step()  # Horovod warns here
+            elif mode == "skip":
+                opt.synchronize()
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+        counts.append([str(w.message) for w in ws])
+    return {"warnings": counts, "w0": w0.numpy(), "w": model.weight.detach().numpy()}
+
+
+def test_step_after_synchronize_warns_as_horovod_and_reduces_once():
+    world = 2
+    out = run_ranks(rank_step_after_synchronize, world, timeout=60)
+    # float64 reference: d(sum(w.x))/dw = x, averaged over ranks = mean(rank + 1) per entry;
+    # three steps of lr 0.5, each reducing once (a second reduction of an average is the same
+    # average, so the count of collectives is what test_horovod.py checks; here: the values)
+    avg = np.mean([r + 1.0 for r in range(world)])
+    for res in out:
+        sync_step, skip, plain = res["warnings"]
+        assert len(sync_step) == 1 and "optimizer.step() called without optimizer.skip_synchronize()" \
+            in sync_step[0], sync_step
+        assert skip == [] and plain == [], (skip, plain)
+        np.testing.assert_allclose(res["w"], res["w0"] - 3 * 0.5 * avg, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(out[0]["w"], out[1]["w"])
+
+
+def rank_grouped(rank, world):
+    out = {}
+    base = torch.arange(-8, 9, dtype=torch.float64).reshape(17)
+    ts = [(base * (i + 1) * (rank + 1)).to(dt) for i, dt in
+          enumerate((torch.int32, torch.int64, torch.float32, torch.float64, torch.float16))]
+    out["sum"] = [t.double().numpy() for t in hvd.grouped_allreduce(ts, op=hvd.Sum, name="g")]
+    out["avg"] = [t.double().numpy() for t in hvd.grouped_allreduce(ts, average=True)]
+    inplace = [t.clone() for t in ts]
+    res = hvd.grouped_allreduce_(inplace, op=hvd.Sum)
+    out["inplace_same"] = all(a is b for a, b in zip(res, inplace))
+    out["inplace"] = [t.double().numpy() for t in inplace]
+    h = hvd.grouped_allreduce_async([t.clone() for t in ts], op=hvd.Max, name="ga")
+    out["async_max"] = [t.double().numpy() for t in hvd.synchronize(h)]
+    # differentiable, each tensor as allreduce: d/dt_i of sum_i w_i*out_i.sum() = sum_r w_i(r)
+    leaves = [torch.ones(4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    outs = hvd.grouped_allreduce(leaves, op=hvd.Sum)
+    sum((i + 1.0) * (rank + 1) * o.sum() for i, o in enumerate(outs)).backward()
+    out["grads"] = [leaf.grad.numpy() for leaf in leaves]
+    out["count_mismatch"] = _catch(lambda: hvd.grouped_allreduce(
+        [torch.ones(3)] * (3 if rank == 0 else 2), name="m"))
+    out["empty"] = _catch(lambda: hvd.grouped_allreduce([] if rank == world - 1 else [torch.ones(1)]))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_grouped_allreduce_is_allreduce_per_tensor(world):
+    out = run_ranks(rank_grouped, world, timeout=90)
+    base = np.arange(-8, 9, dtype=np.float64)
+    ranks = np.arange(world) + 1.0
+    for rank, res in enumerate(out):
+        for i in range(5):
+            per_rank = [base * (i + 1) * r for r in ranks]
+            np.testing.assert_array_equal(res["sum"][i], np.sum(per_rank, axis=0))
+            np.testing.assert_array_equal(res["inplace"][i], np.sum(per_rank, axis=0))
+            np.testing.assert_array_equal(res["async_max"][i], np.max(per_rank, axis=0))
+            mean = np.mean(per_rank, axis=0)
+            np.testing.assert_array_equal(res["avg"][i], np.trunc(mean) if i < 2 else mean)
+        assert res["inplace_same"]
+        for i, g in enumerate(res["grads"]):
+            np.testing.assert_array_equal(g, np.full(4, (i + 1.0) * ranks.sum()))
+        for case in ("count_mismatch", "empty"):
+            err, alive = res[case]
+            assert alive == world, (rank, case)
+            assert err is not None and "ConfigError" in err[0], (rank, case, err)
+        assert "CollectiveMismatchError" in res["count_mismatch"][0][0]
+
+
+def test_build_introspection_answers_for_the_installed_torch():
+    assert hvd.nccl_built() == 0 or hvd.nccl_built() >= 2000  # 0 without CUDA NCCL
+    assert hvd.mpi_enabled() is False and hvd.ccl_built() is False and hvd.ddl_built() is False
+    assert hvd.gloo_built() is torch.distributed.is_gloo_available()
+    assert hvd.cuda_built() is (torch.version.cuda is not None)
+    if not torch.cuda.is_available():
+        assert hvd.nccl_built() == 0
+
+
+def test_horovod_sparse_option_is_refused_clearly():
+    emb = nn.Embedding(10, 3, sparse=True)
+    with pytest.raises(hvd.ConfigError, match="sparse_as_dense=True"):
+        hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters())), sparse=True)

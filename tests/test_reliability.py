@@ -24,7 +24,7 @@ from torch import nn
 
 import flodl_opt as flo
 from flodl_opt import checkpoint as ckpt_mod
-from dist_harness import ROOT, gather_object, run_ranks, survivor_verdict
+from dist_harness import ROOT, gather_object, run_ranks, survivor_verdict, sync_error_verdict
 
 
 def _flat(model: nn.Module) -> torch.Tensor:
@@ -71,16 +71,10 @@ def _peer_dies_mid_sync(rank, world, out):
         seen["half_averaged"] = not torch.equal(_flat(model), pre)  # what restore had to undo
         return real_restore()
     cons.restore = spying_restore
-    try:
-        opt.sync()
-    except flo.SyncError as exc:
-        result = {"msg": str(exc), "rank": exc.rank, "sync": exc.sync, "restored": exc.restored,
-                  "cause": type(exc.cause).__name__, "equal": torch.equal(_flat(model), pre),
-                  "counters": (opt.sync_count, opt.steps_since_sync), **seen}
-    else:
-        result = {"msg": "no error"}
-    torch.save(result, out)
-    return result
+    return sync_error_verdict(out, opt.sync, lambda exc: {
+        "msg": str(exc), "rank": exc.rank, "sync": exc.sync, "restored": exc.restored,
+        "cause": type(exc.cause).__name__, "equal": torch.equal(_flat(model), pre),
+        "counters": (opt.sync_count, opt.steps_since_sync), **seen})
 
 
 def test_peer_killed_during_sync_survivor_raises_with_pre_sync_params(tmp_path):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flodl_opt as flo
-from dist_harness import ROOT, gather_object, run_ranks, survivor_verdict
+from dist_harness import ROOT, gather_object, run_ranks, survivor_verdict, sync_error_verdict
 
 # The commit this mode was built on: its blocking sync is what the defaults must reproduce bit for bit.
 BASE_COMMIT = "1e44889"
@@ -361,18 +361,11 @@ def _peer_dies_in_flight(rank, world, out):
         dist.all_reduce = dying
     pre = {}
     inner.register_step_post_hook(lambda o, a, k: pre.__setitem__(len(pre) + 4, _flat(model)))
-    steps = 3
-    try:
-        _train(model, opt, rank, 3, start=3)   # issue at 4, merge at 6
-    except flo.SyncError as exc:
-        steps = len(pre) + 3
-        result = {"msg": str(exc), "sync": exc.sync, "restored": exc.restored, "at": steps,
-                  "equal": np.array_equal(_flat(model), pre[6]), "since": list(opt._stream.since),
-                  "pending": opt._stream.pending, "syncs": opt.sync_count}
-    else:
-        result = {"msg": "no error"}
-    torch.save(result, out)
-    return result
+    return sync_error_verdict(
+        out, lambda: _train(model, opt, rank, 3, start=3),   # issue at 4, merge at 6
+        lambda exc: {"msg": str(exc), "sync": exc.sync, "restored": exc.restored, "at": len(pre) + 3,
+                     "equal": np.array_equal(_flat(model), pre[6]), "since": list(opt._stream.since),
+                     "pending": opt._stream.pending, "syncs": opt.sync_count})
 
 
 def test_peer_killed_with_a_fragment_in_flight_survivor_keeps_local_weights_and_raises(tmp_path):

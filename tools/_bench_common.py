@@ -43,13 +43,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world, port, args, queue):
+def _child(fn, rank, world, port, args, queue, backend="gloo"):
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world)})
     try:
         import flodl_opt as flo
-        flo.init(backend="gloo")
+        flo.init(backend=backend)
         queue.put((rank, True, fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - report anything to the parent
         queue.put((rank, False, traceback.format_exc()))
@@ -61,12 +61,12 @@ def _child(fn, rank, world, port, args, queue):
             pass
 
 
-def spawn(fn: Callable, world: int, *args: Any, timeout: float = 3600.0) -> List[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` fresh Gloo ranks; results in rank order."""
+def spawn(fn: Callable, world: int, *args: Any, timeout: float = 3600.0, backend: str = "gloo") -> List[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh ranks (Gloo unless ``backend``); results in rank order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, queue), daemon=True)
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, queue, backend), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

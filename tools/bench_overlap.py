@@ -14,7 +14,19 @@ Run::
     python tools/bench_overlap.py --params 4e6 --sync-every 16 --fragments 4 --overlap-steps 2
     python tools/bench_overlap.py --plot bench_overlap.png
 
+    python tools/bench_overlap.py --device cuda            # 2 Gloo ranks sharing cuda:0
+    python tools/bench_overlap.py --device cuda --backend nccl --ranks 1 --width 4096
+                                                           # NCCL world of one, collectives forced
+
 Peak bytes in flight per sync come from ``SyncStats.bytes`` (the largest over the run).
+
+On CUDA every block ends with ``torch.cuda.synchronize()`` (the time includes the GPU's work).
+Gloo ranks may share one GPU (CUDA tensors go through host copies). NCCL refuses two ranks on one
+GPU, so ``--backend nccl --ranks 1`` makes a world of one and switches the sync's collectives on
+by hand (a world of one normally makes none): the NCCL path (count, async all_reduce on NCCL's own
+stream, the merge) really runs, but a one-rank all_reduce moves nothing over a link, so what this
+measures is the sync's own GPU and host work (snapshot, scaling, merge, host reads), not hiding a
+transfer.
 """
 from __future__ import annotations
 
@@ -55,17 +67,34 @@ def worker(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     import torch.distributed as dist
     import flodl_opt as flo
     torch.set_num_threads(cfg["threads"])
+    cuda = cfg["device"] == "cuda"
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    if world == 1 and not dist.is_initialized():
+        # A world of one has no process group: make one of one rank (flo.init() adopts it), so the
+        # forced collectives below have a group to run on.
+        flo.shutdown()
+        dist.init_process_group(cfg["backend"], init_method=f"tcp://127.0.0.1:{bc._free_port()}",
+                                rank=0, world_size=1)
+        flo.init()
     runs = {}
     for name, kw in variants(cfg).items():
-        model = _model(cfg, 0)
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        runs[name] = (model, flo.LocalSGDOptimizer(inner, model=model, outer=cfg["outer"],
-                                                   stall_warning_s=None, **kw), [])
+        model = _model(cfg, 0).to(dev)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if cuda else {}))
+        opt = flo.LocalSGDOptimizer(inner, model=model, outer=cfg["outer"], stall_warning_s=None, **kw)
+        if world == 1:  # force the collectives of a world of one
+            opt._consensus.distributed = True
+            if opt._stream is not None:
+                opt._stream.distributed = True
+        runs[name] = (model, opt, [])
     n_params = sum(p.numel() for p in runs["no sync (anchor)"][0].parameters())
     g = torch.Generator().manual_seed(rank)
-    xs = [torch.randn(cfg["batch"], cfg["inputs"], generator=g) for _ in range(8)]
+    xs = [torch.randn(cfg["batch"], cfg["inputs"], generator=g).to(dev) for _ in range(8)]
 
     def block(name, model, opt) -> float:
+        if cuda:
+            torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
         for i in range(cfg["steps"]):
             opt.zero_grad(set_to_none=True)
@@ -74,6 +103,8 @@ def worker(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
             s = opt.last_sync  # an attribute read in every variant alike
             if s is not None and s.bytes > peak[name]:
                 peak[name] = s.bytes
+        if cuda:
+            torch.cuda.synchronize(dev)
         return (time.perf_counter() - t0) * 1e3 / cfg["steps"]
 
     names = list(runs)
@@ -95,12 +126,16 @@ def worker(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     # The collective alone: the whole model, and one fragment, as a raw all_reduce.
     raw = {}
     for label, numel in (("model", n_params), ("fragment", n_params // cfg["fragments"])):
-        t = torch.zeros(numel)
+        t = torch.zeros(numel, device=dev if cfg["backend"] == "nccl" or cuda else "cpu")
         ms = []
         for _ in range(cfg["raw_reps"]):
             dist.barrier()
+            if cuda:
+                torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
             dist.all_reduce(t)
+            if cuda:
+                torch.cuda.synchronize(dev)
             ms.append((time.perf_counter() - t0) * 1e3)
         raw[label] = bc.median(ms)
     anchor = runs[names[0]][2]
@@ -124,8 +159,10 @@ def report(results: List[Dict[str, Any]], cfg: Dict[str, Any]) -> Dict[str, Any]
         other = results[1]["rows"][k] if len(results) > 1 else row
         rows.append({**row, "ratio rank 1": other["ratio"],
                      "bytes vs blocking": row["peak bytes/sync"] / blocking_bytes if blocking_bytes else 0.0})
-    print(f"\nbench_overlap: {r0['params'] / 1e6:.2f}M params MLP, AdamW, outer={cfg['outer']}, 2 Gloo "
-          f"ranks x {cfg['threads']} thread(s); {cfg['steps']} steps per block, median of {cfg['reps']} "
+    where = (f"{cfg['ranks']} {cfg['backend'].upper()} rank(s) on {cfg['device']}"
+             + (" (world of one, collectives forced)" if cfg["ranks"] == 1 else ""))
+    print(f"\nbench_overlap: {r0['params'] / 1e6:.2f}M params MLP, AdamW, outer={cfg['outer']}, {where} "
+          f"x {cfg['threads']} thread(s); {cfg['steps']} steps per block, median of {cfg['reps']} "
           "interleaved blocks")
     print(f"no-sync step {step_ms:.2f} ms; raw all_reduce: model {r0['raw_ms']['model']:.2f} ms, "
           f"1/{cfg['fragments']} fragment {r0['raw_ms']['fragment']:.2f} ms; "
@@ -156,7 +193,9 @@ def plot(payload: Dict[str, Any], path: str) -> None:
     axes[1].barh(names, [r["bytes vs blocking"] for r in rows], color="tab:orange")
     axes[1].set_xlabel("peak bytes in flight per sync / blocking")
     axes[1].set_yticklabels([])
-    fig.suptitle("bench_overlap: training loop with syncs vs the same loop without, 2 Gloo ranks")
+    c = payload["config"]
+    fig.suptitle(f"bench_overlap: loop with syncs vs without, {c.get('ranks', 2)} {c.get('backend', 'gloo')} "
+                 f"rank(s), {c.get('device', 'cpu')}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
@@ -179,13 +218,19 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--raw-reps", type=int, default=9)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--ranks", type=int, default=2, help="ranks (nccl on one GPU: 1)")
     p.add_argument("--json", default="bench_overlap.json")
     p.add_argument("--plot", default=None, help="write a PNG of the ratios (needs matplotlib)")
     a = p.parse_args(argv)
     cfg = {k: getattr(a, k) for k in ("width", "layers", "inputs", "batch", "sync_every", "fragments",
                                       "overlap_steps", "overlap_full", "outer", "steps", "reps",
-                                      "warmup", "raw_reps", "threads", "json")}
-    results = bc.spawn(worker, 2, cfg)
+                                      "warmup", "raw_reps", "threads", "json", "device", "backend",
+                                      "ranks")}
+    if a.backend == "nccl" and a.device != "cuda":
+        p.error("--backend nccl needs --device cuda")
+    results = bc.spawn(worker, a.ranks, cfg, backend=a.backend)
     payload = report(results, cfg)
     if a.plot:
         plot(payload, a.plot)

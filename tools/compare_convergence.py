@@ -42,6 +42,9 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _plot  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_charlm.py")
 
@@ -171,12 +174,8 @@ def table(runs: List[Dict], results: List[Dict]) -> (str, List[Dict]):
 
 
 def plot(runs: List[Dict], results: List[Dict], path: str) -> Optional[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping the PNG (pip install flodl-opt[plot])")
+    plt = _plot.pyplot()
+    if plt is None:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for run, res in zip(runs, results):
@@ -197,12 +196,9 @@ def plot(runs: List[Dict], results: List[Dict], path: str) -> Optional[str]:
     ax2.set_xlabel("MB handed to collectives per rank (log)")
     ax2.set_xscale("log")
     ax1.legend(fontsize="small")
-    fig.suptitle(f"char LM on the Python stdlib: {cfg['world_size']} ranks, {cfg['params'] / 1e6:.2f}M params, "
-                 f"batch {cfg['batch_size']}x{cfg['context']} per rank")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    title = (f"char LM on the Python stdlib: {cfg['world_size']} ranks, {cfg['params'] / 1e6:.2f}M params, "
+             f"batch {cfg['batch_size']}x{cfg['context']} per rank")
+    return _plot.save(fig, path, title, dpi=110)
 
 
 def _mean(xs: List[float]) -> float:
@@ -275,12 +271,8 @@ def adaptive_summary(runs: List[Dict], per_seed: List[List[Dict]], seeds: List[i
 
 def plot_adaptive(runs: List[Dict], per_seed: List[List[Dict]], path: str) -> Optional[str]:
     """Seed-mean validation loss against steps, bytes, and the K auto picked."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping the PNG (pip install flodl-opt[plot])")
+    plt = _plot.pyplot()
+    if plt is None:
         return None
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
     for i, run in enumerate(runs):
@@ -313,12 +305,9 @@ def plot_adaptive(runs: List[Dict], per_seed: List[List[Dict]], path: str) -> Op
     ax3.grid(alpha=0.3)
     ax1.legend(fontsize="small")
     ax3.legend(fontsize="small")
-    fig.suptitle(f"adaptive sync period, char LM: {cfg['world_size']} ranks, {cfg['steps']} steps, "
-                 f"mean of {len(per_seed)} seeds")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    title = (f"adaptive sync period, char LM: {cfg['world_size']} ranks, {cfg['steps']} steps, "
+             f"mean of {len(per_seed)} seeds")
+    return _plot.save(fig, path, title, dpi=110)
 
 
 def main(argv=None) -> None:

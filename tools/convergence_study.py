@@ -18,6 +18,9 @@ import sys
 import time
 from typing import Dict, List
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _plot  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIM = os.path.join(ROOT, "tools", "cohort_sim.py")
 
@@ -78,6 +81,17 @@ def cells(plan: str) -> List[Dict]:
         cell("demo-r4-s1024", DEMO, 4, 1024, ["allreduce", "localsgd-k16", "diloco-h64", "diloco-h64-paper",
                                               "one-rank"])
         cell("demo-r4-s4096", DEMO, 4, 4096, ["allreduce", "localsgd-k16", "diloco-h64", "one-rank"])
+    if plan == "long":   # issue 14's missing cells at the longest budget, one process per seed
+        r2 = ["allreduce", "localsgd-k16", "diloco-h64", "diloco-h256", "one-rank", "diloco-h64-paper"]
+        # 4 ranks: the target rows, plus two remedies as extra rows (the targets stay K=16 / H=64):
+        # K halved so the cohort sees as many samples between syncs as K=16 at 2 ranks, and a
+        # larger outer lr for M=4 (the DiLoCo scaling-law study: the best outer lr grows with M).
+        r4 = ["allreduce", "localsgd-k16", "diloco-h64", "one-rank", "localsgd-k8", "diloco-h64-lr1.0-m0.5-ow8"]
+        big = ["allreduce", "localsgd-k16", "diloco-h64", "one-rank"]
+        for i, seed in enumerate(SEEDS.split(",")):
+            cell(f"demo-r2-s16384-p{i}", DEMO, 2, 16384, r2, ["--seeds", seed])
+            cell(f"demo-r4-s16384-p{i}", DEMO, 4, 16384, r4, ["--seeds", seed])
+            cell(f"big-r2-s16384-p{i}", BIG, 2, 16384, big, ["--seeds", seed, "--eval-chunk", "8"])
     if plan in ("demo4", "all"):
         for steps in (1024, 4096, 16384):
             cell(f"demo-r4-s{steps}", DEMO, 4, steps, base_methods(steps) + diloco_methods(16, False)
@@ -89,7 +103,7 @@ def cells(plan: str) -> List[Dict]:
         cell("smoke-r2-s64", ["--d-model", "32", "--layers", "1", "--eval-batches", "2"], 2, 64,
              ["allreduce", "sync-k1", "localsgd-k16", "diloco-h16", "diloco-h16-paper", "one-rank"])
     if not out:
-        raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, all or smoke")
+        raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, all or smoke")
     return out
 
 
@@ -177,8 +191,9 @@ def summarize(cell: Dict) -> List[Dict]:
 
 def markdown(tag: str, cell: Dict, rows: List[Dict]) -> str:
     cfg = cell["config"]
+    seeds = ",".join(str(s) for s in sorted({r["seed"] for rs in cell["runs"].values() for r in rs}))
     head = (f"**{tag}**: {cfg['ranks']} ranks, {cfg['params'] / 1e6:.2f}M params, {cfg['steps']} steps, "
-            f"seeds {cfg['seeds']}" + (" (PARTIAL: the run was cut short)" if cell["partial"] else ""))
+            f"seeds {seeds}" + (" (PARTIAL: the run was cut short)" if cell["partial"] else ""))
     ar_bytes = next((r["bytes"] for r in rows if r["method"] == "allreduce"), None)
     lines = [head, "", "| method | final val loss (mean +- sd) | min..max | vs allreduce (mean +- sd, paired) "
              "| vs one rank | syncs | MB per rank | fewer bytes | sum of params |",
@@ -193,12 +208,8 @@ def markdown(tag: str, cell: Dict, rows: List[Dict]) -> str:
 
 
 def plot(tag: str, cell: Dict, path: str, keep=None) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping the PNG (pip install flodl-opt[plot])")
+    plt = _plot.pyplot()
+    if plt is None:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
     names = [n for n in cell["runs"] if keep is None or n in keep]
@@ -223,12 +234,9 @@ def plot(tag: str, cell: Dict, path: str, keep=None) -> str:
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=6, ncol=2)
     cfg = cell["config"]
-    fig.suptitle(f"{tag}: {cfg['ranks']} ranks, {cfg['params'] / 1e6:.2f}M params, {cfg['steps']} steps, "
-                 f"seeds {cfg['seeds']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    title = (f"{tag}: {cfg['ranks']} ranks, {cfg['params'] / 1e6:.2f}M params, {cfg['steps']} steps, "
+             f"seeds {cfg['seeds']}")
+    return _plot.save(fig, path, title, dpi=100)
 
 
 def report(out_dir: str, fig_dir: str = None) -> str:

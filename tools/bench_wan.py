@@ -553,7 +553,14 @@ def plot(results: Dict[str, Dict[str, Any]], path: str) -> None:
         return
     rates = list(results)
     fig, axes = plt.subplots(1, len(rates), figsize=(5.2 * len(rates), 4.2), squeeze=False)
-    colors = {"ddp": "black", "distopt": "tab:gray", "localsgd-k16": "tab:blue", "diloco-h64": "tab:orange"}
+    # One colour per method, one line style per kind of sync (dashed int8 wire, dotted streaming).
+    colors = {"ddp": "black", "distopt": "tab:gray", "localsgd-k16": "tab:blue", "diloco-h64": "tab:orange",
+              "localsgd-k16-int8": "tab:cyan", "diloco-h64-int8": "tab:brown",
+              "localsgd-k16-stream": "tab:green", "diloco-h64-stream": "tab:red", "localsgd-auto": "tab:purple"}
+
+    def style(name: str) -> str:
+        return "--" if name == "distopt" or name.endswith("-int8") else ":" if name.endswith("-stream") else "-"
+
     for ax, rate in zip(axes[0], rates):
         rows = results[rate]
         target = next((r["target_loss"] for r in rows.values() if r.get("target_loss")), None)
@@ -563,7 +570,7 @@ def plot(results: Dict[str, Dict[str, Any]], path: str) -> None:
             ttt = r["time_to_target_s"]
             lab = LABELS.get(name, name) + (f": {ttt:.0f} s" if ttt is not None else ": not reached")
             line, = ax.plot(xs, ys, marker=".", ms=3, lw=1.4, color=colors.get(name), label=lab,
-                            ls="--" if name == "distopt" else "-")
+                            ls=style(name))
             if ttt is not None:
                 ax.plot([ttt], [next(p["val_loss"] for p in r["curve"] if p["wall_s"] == ttt)], "o",
                         ms=7, mfc="none", color=line.get_color())

@@ -149,6 +149,12 @@ class Consensus:
         self.wire = None          # a CompressedWire (flodl_opt/wire.py) replaces the float32 reduce
 
     # ------------------------------------------------------------------ steps
+    def shares(self, steps: int, nonfinite: bool) -> "tuple[float, float]":
+        """This rank's ``(mass, mover)``: its work weight, and 1 if it moved; both 0 if non-finite."""
+        if nonfinite:
+            return 0.0, 0.0
+        return gamma_mass(steps, self.gamma), 1.0 if steps > 0 else 0.0
+
     def count(self, steps: int, active: bool, nonfinite: bool, sync_number: int = 0) -> Totals:
         """One small SUM of [mass, mover, active, non-finite, steps, sync, sync^2] over the cohort.
 
@@ -156,8 +162,7 @@ class Consensus:
         resumed from another checkpoint, or load_state_dict on some ranks only) all find out from
         the same totals, instead of averaging unrelated points of training silently.
         """
-        mass = 0.0 if nonfinite else gamma_mass(steps, self.gamma)
-        mover = 1.0 if (steps > 0 and not nonfinite) else 0.0
+        mass, mover = self.shares(steps, nonfinite)
         c = self._count
         n = float(sync_number)
         c.copy_(torch.tensor([mass, mover, float(active), float(nonfinite), float(steps), n, n * n],
@@ -295,9 +300,8 @@ class Consensus:
                           copy_pre: bool, pre_norms: Optional[list], post_norms: list,
                           diff_norms: Optional[list]) -> None:
         """Params (work-weighted) and float buffers (mover-weighted), all chunks in flight at once."""
-        mass = 0.0 if nonfinite else gamma_mass(steps, self.gamma)
+        mass, mover = self.shares(steps, nonfinite)
         stats.weight = mass / totals.mass
-        mover = 0.0 if (nonfinite or steps <= 0) else 1.0
         works: list = []
         with torch.no_grad():
             for g in self.params:
@@ -489,6 +493,12 @@ class Consensus:
             self.presync_copy()
         return t0, stats, pre_sq, nonfinite
 
+    def reduce_buffers(self, stats: SyncStats, factor: float) -> None:
+        """The float buffers in one fused float32 reduce each, scaled by ``factor`` (mover-weighted)."""
+        if self.buffers:
+            stats.collectives += self.reduce(self.buffers, factor)
+            stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in self.buffers)
+
     def _run_nccl(self, steps: int, sync_number: int, active: bool) -> SyncStats:
         """NCCL: pre-norm and pre-sync copy, then one PREMUL_SUM per buffer, then the readout."""
         t0, stats, pre_sq, nonfinite = self.begin(steps, sync_number)
@@ -496,14 +506,12 @@ class Consensus:
             totals = self._count_or_skip(stats, steps, active, nonfinite, sync_number, t0)
             if totals is None:
                 return stats
-            mass = 0.0 if nonfinite else gamma_mass(steps, self.gamma)
+            mass, mover = self.shares(steps, nonfinite)
             stats.weight = mass / totals.mass
             with torch.no_grad():
                 stats.collectives += self.reduce(self.params, stats.weight)
-                if self.buffers:
-                    mover = 0.0 if (nonfinite or steps <= 0) else 1.0
-                    stats.collectives += self.reduce(self.buffers, mover / totals.movers)
-            stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in self.params + self.buffers)
+                self.reduce_buffers(stats, mover / totals.movers)
+            stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in self.params)
         if nonfinite:
             self._warn_nonfinite(sync_number)
         self.readout(stats, None if nonfinite else pre_sq)

@@ -298,20 +298,16 @@ class CompressedWire:
     # ------------------------------------------------------------------ the sync
     def run(self, c: "Consensus", steps: int, sync_number: int, active: bool) -> "SyncStats":
         """count -> compressed reduce -> readout, as ``Consensus._run_nccl`` does in float32."""
-        from .consensus import gamma_mass
         t0, stats, pre_sq, nonfinite = c.begin(steps, sync_number)
         with c._restore_on_failure(sync_number):
             totals = c._count_or_skip(stats, steps, active, nonfinite, sync_number, t0)
             if totals is None:
                 return stats
-            mass = 0.0 if nonfinite else gamma_mass(steps, c.gamma)
+            mass, mover = c.shares(steps, nonfinite)
             stats.weight = f = mass / totals.mass
             with torch.no_grad():
                 pending = [self._reduce(st, f, stats) for st in self._groups]  # params untouched
-                if c.buffers:  # float buffers: the float32 path, mover-weighted
-                    mover = 0.0 if (nonfinite or steps <= 0) else 1.0
-                    stats.collectives += c.reduce(c.buffers, mover / totals.movers)
-                    stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in c.buffers)
+                c.reduce_buffers(stats, mover / totals.movers)  # float buffers: the float32 path
                 for st, owner_res in zip(self._groups, pending):
                     self._commit(st, f, owner_res)
         if nonfinite:

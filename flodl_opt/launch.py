@@ -228,6 +228,8 @@ def shutdown() -> None:
     """Leave the process group that ``init()`` created (a no-op if none)."""
     global _world
     if _world is not None and _world.owns_group and dist.is_initialized():
+        from .stall import close_all
+        close_all()  # their threads use the group's store, which goes away with the group
         dist.destroy_process_group()
     _world = None
 

@@ -23,10 +23,12 @@ Example::
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
+import weakref
 from typing import Iterator, List, Optional, Sequence
 
 import torch.distributed as dist
@@ -34,6 +36,22 @@ import torch.distributed as dist
 log = logging.getLogger("flodl_opt")
 
 DEFAULT_STALL_WARNING_S = 60.0
+
+# Watchdogs whose thread may still run. A daemon thread that is inside a store call (C++,
+# GIL released) when the interpreter finalizes is killed as it takes the GIL back, and that
+# aborts the process ("terminate called without an active exception", SIGABRT) after training
+# has finished. So every live watchdog is stopped and joined at exit, while Python still runs.
+_live: "weakref.WeakSet[StallWatchdog]" = weakref.WeakSet()
+_JOIN_S = 5.0  # a store call on a dead host fails well within this
+
+
+def close_all(timeout: float = _JOIN_S) -> None:
+    """Stop every live watchdog and wait for its thread (``flo.shutdown()`` and exit call it)."""
+    for watch in list(_live):
+        watch.close(timeout)
+
+
+atexit.register(close_all)
 
 
 def _default_store():
@@ -75,6 +93,7 @@ class StallWatchdog:
         self.warnings: List[str] = []          # the last few warnings (tests, post-mortems)
         self._thread = threading.Thread(target=self._loop, name="flodl-stall-watchdog", daemon=True)
         self._thread.start()
+        _live.add(self)
 
     def _key(self, rank: int) -> str:
         return f"flodl/sync/{self.tag}/{rank}"
@@ -92,10 +111,14 @@ class StallWatchdog:
                 self._current = None
                 self._cond.notify()
 
-    def close(self) -> None:
+    def close(self, timeout: Optional[float] = _JOIN_S) -> None:
+        """Stop the thread and wait up to ``timeout`` s for it (``None``: do not wait)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
+        _live.discard(self)
+        if timeout is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
@@ -106,7 +129,7 @@ class StallWatchdog:
                 if self._closed:
                     return
                 n, entered = self._current, self._entered
-            self._publish(n)
+            self._publish(n)  # (a close() meanwhile is seen below, before any other store call)
             deadline = entered + self.threshold_s
             with self._cond:
                 while self._current == n and self._entered == entered and not self._closed:

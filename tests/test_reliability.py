@@ -196,6 +196,30 @@ def test_stall_warning_names_the_sync_and_the_missing_rank(three_rank_faults):
         assert f"rank {rank} has waited" in hits[0] and "ranks [2] have not arrived" in hits[0], hits
 
 
+def test_exit_with_the_watchdog_inside_a_store_call_does_not_abort():
+    """A watchdog thread busy in the store (C++, GIL released) while Python finalizes used to
+    abort the finished process with SIGABRT ("terminate called without an active exception")."""
+    script = textwrap.dedent("""
+        import datetime, logging, time
+        import torch.distributed as dist
+        from flodl_opt.stall import StallWatchdog
+        logging.disable(logging.CRITICAL)
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+        watch = StallWatchdog(0.0005, ranks=[0, 1], rank=0, store=store)
+        inside = watch.waiting(1)
+        inside.__enter__()  # never left: the thread keeps asking the store who is missing
+        deadline = time.monotonic() + 20
+        while not watch.warnings and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watch.warnings, "the watchdog never reported"
+        print("trained")  # and exit with the thread still polling the store
+    """)
+    for _ in range(3):  # it aborted every time before the fix
+        proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0 and "trained" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
 # ------------------------------------------------------------------ checkpoint writes that die
 def _digest(path) -> str:
     with open(path, "rb") as f:

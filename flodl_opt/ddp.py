@@ -65,6 +65,26 @@ def _trainer_ddp(model: Optional[nn.Module]) -> Optional[nn.Module]:
     return None
 
 
+def find_wrapper_of(model: Optional[nn.Module]) -> Optional[nn.Module]:
+    """A DDP model built around ``model`` after the optimizer was (Accelerate, HF Trainer).
+
+    ``accelerator.prepare(model, opt)`` and ``Trainer(optimizers=(opt, sched))`` wrap the model
+    in DDP after the user built the optimizer, so ``model=`` never named the wrapper. Nothing
+    points from a module to the DDP around it, so this looks through the live objects, once,
+    at the first step (tens of ms for a million objects).
+    """
+    if model is None or is_ddp(model):
+        return None
+    import gc
+    from torch.nn.parallel import DistributedDataParallel
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel):
+            wrapped = obj.__dict__.get("_modules", {}).get("module")
+            if wrapped is not None and any(m is model for m in wrapped.modules()):
+                return obj
+    return None
+
+
 class _Phase:
     """The hook's state: whether the optimizer that owns this DDP model is past its warm-up."""
 

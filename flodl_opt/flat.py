@@ -86,26 +86,36 @@ class FlatGroup:
     def nbytes(self) -> int:
         return self.numel * self.flat.element_size()
 
-    def check_bound(self) -> None:
-        """Fail loudly if a tensor no longer lives in the buffer (``model.to()``, ``p.data = ...``).
+    def check_bound(self) -> int:
+        """Keep every tensor in the buffer; fail loudly where that cannot be done.
 
-        A sync would otherwise average a stale buffer and silently ignore the real weights.
+        A tensor whose ``.data`` was replaced by a copy of the same dtype, device and shape (a
+        ``.to()`` that copies, as Accelerate's ``prepare()`` and the HF Trainer do even onto the
+        device the model is on, or ``p.data = ...``) is adopted: its current values go into its
+        slot of the buffer and it becomes a view again, so the sync averages the real weights.
+        Returns how many were adopted. A change of dtype or device (``model.half()``,
+        ``.cuda()`` after wrapping) cannot be adopted: the buffer and the outer state live in
+        the old dtype and device, so that raises.
         """
+        adopted = 0
         for i, (t, ptr) in enumerate(zip(self.tensors, self._ptrs)):
-            if t.data_ptr() != ptr or t.dtype != self.dtype or t.device != self.device:
-                # Same dtype and device: a copy, e.g. Accelerate's prepare() calls model.to(device),
-                # which copies even onto the device the model is already on.
-                copied = ("; same dtype and device, so it was copied: `p.data = ...`, or a .to() that "
-                          "copies, as Accelerate's prepare() does. With Accelerate, prepare the model "
-                          "first (model = accelerator.prepare(model)), then build the inner optimizer "
-                          "and LocalSGDOptimizer on it, then opt = accelerator.prepare(opt)"
-                          if t.dtype == self.dtype and t.device == self.device else "")
-                raise ConfigError(
-                    f"flodl_opt: {self.role} #{i} (shape {tuple(t.shape)}) was replaced or moved after "
-                    f"the optimizer was wrapped (now {t.dtype} on {t.device}, was {self.dtype} on "
-                    f"{self.device}{copied}). Move the model (.to/.cuda/.half) and load weights before "
-                    "building LocalSGDOptimizer, or load them in place with "
-                    "model.load_state_dict / param.copy_.")
+            if t.data_ptr() == ptr and t.dtype == self.dtype and t.device == self.device:
+                continue
+            if t.dtype == self.dtype and t.device == self.device and tuple(t.shape) == self.shapes[i]:
+                offset = self.offsets[i]
+                view = self.flat[offset:offset + t.numel()].view(self.shapes[i])
+                with torch.no_grad():
+                    view.copy_(t.data)
+                    t.data = view
+                adopted += 1
+                continue
+            raise ConfigError(
+                f"flodl_opt: {self.role} #{i} (shape {tuple(t.shape)}) was replaced or moved after "
+                f"the optimizer was wrapped (now {t.dtype} on {t.device}, shape {tuple(t.shape)}; was "
+                f"{self.dtype} on {self.device}, shape {self.shapes[i]}). Move the model "
+                "(.to/.cuda/.half) and load weights before building LocalSGDOptimizer, or load them "
+                "in place with model.load_state_dict / param.copy_.")
+        return adopted
 
 
 def pack(tensors: Iterable[torch.Tensor], role: str) -> List[FlatGroup]:

@@ -251,8 +251,9 @@ class LocalSGDOptimizer(WrappedOptimizer):
         return loss
 
     def _step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        if not self._checked_grads:
+        if not self._checked_grads:  # once, at the first step
             self._check_grads()
+            self._find_late_ddp()
         skipped = scaler_says_skip(self, self._params)  # None unless GradScaler.step called us
         if skipped:
             loss = None  # inf/NaN gradients: no inner step, but the step still counts (zero work)
@@ -275,7 +276,9 @@ class LocalSGDOptimizer(WrappedOptimizer):
         self._steps_since_sync += 1
         self._skipped_since_sync += bool(skipped)
         if self._stream is not None:  # per fragment: issue (count + async reduce) / merge when due
-            if self._stream.schedule.issue_at(self._stream.clock + 1) is not None:
+            pending = self._stream.pending
+            if self._stream.schedule.issue_at(self._stream.clock + 1) is not None or \
+                    (pending is not None and self._stream.clock + 1 >= pending.merge_at):
                 self._check_before_sync()
             self._record(self._stream.on_step(worked=not skipped, active=True))
         elif self._local_steps <= self.warmup_steps or self._steps_since_sync >= self.sync_every:
@@ -567,6 +570,15 @@ class LocalSGDOptimizer(WrappedOptimizer):
                 for t in list(inner_model.parameters()) + list(inner_model.buffers()):
                     if id(t) not in synced:
                         dist.broadcast(t.data, src=src, group=self.process_group)
+
+    def _find_late_ddp(self) -> None:
+        """A DDP wrapper built after this optimizer (Accelerate's ``prepare(model, opt)``, the HF
+        Trainer) would all-reduce every gradient: find it and make it local, as if passed."""
+        if self._ddp is not None or self.model is None or not self._watch_local:
+            return
+        found = ddp.find_wrapper_of(self.model)
+        if found is not None:
+            self._ddp = ddp.attach(found, self, self.warmup_steps, self._consensus.group)
 
     def _check_grads(self) -> None:
         for p in self._params:

@@ -109,7 +109,7 @@ def param_replaced_after_wrapping():
 
 def param_data_rebound_after_wrapping():
     m, opt = _wrap()
-    m[0].weight.data = torch.zeros(4, 3)
+    m[0].weight.data = torch.zeros(3, 4)  # another shape: no slot to adopt it into (same shape is adopted)
     opt.sync()
 
 
@@ -231,8 +231,8 @@ ONE_PROCESS = [
      r"(replaced|moved) after .*(Move the model|build the inner optimizer)"),
     ("param replaced after wrapping", param_replaced_after_wrapping, flo.ConfigError,
      r"'0\.weight' was replaced after LocalSGDOptimizer was built.*in place"),
-    ("param .data rebound after wrapping", param_data_rebound_after_wrapping, flo.ConfigError,
-     r"replaced or moved after the optimizer was wrapped.*param\.copy_"),
+    ("param .data rebound to another shape after wrapping", param_data_rebound_after_wrapping, flo.ConfigError,
+     r"replaced or moved after the optimizer was wrapped.*shape \(3, 4\).*shape \(4, 3\).*param\.copy_"),
     ("load_state_dict from another model", load_state_dict_from_other_model, flo.ConfigError,
      r"different model.*build the same model"),
     ("load_state_dict from another config", load_state_dict_from_other_config, flo.ConfigError,

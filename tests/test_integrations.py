@@ -66,7 +66,7 @@ def test_wrapped_model_saves_and_loads_bit_for_bit_through_safetensors(tmp_path)
     for k, v in fresh.state_dict().items():
         assert torch.equal(_bits(v), _bits(want[k])), k
     for g in opt2._param_groups_flat + opt2._buffer_groups_flat:
-        g.check_bound()  # still views of the flat buffers, not new tensors
+        assert g.check_bound() == 0  # still views of the flat buffers, nothing to adopt
     p0 = next(fresh.parameters())
     with torch.no_grad():
         p0.add_(1.0)
@@ -204,23 +204,27 @@ def _ddp_run(rank, world, wrap):
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
-    model = {"plain": lambda: net, "ddp_not_given": lambda: DDP(net),
+    model = {"plain": lambda: net, "ddp_not_given": lambda: DDP(net), "own_allreduce": lambda: net,
              "compiled_ddp": lambda: torch.compile(DDP(net), backend="eager")}[wrap]()
     opt = flo.LocalSGDOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
                                 model=net if wrap == "ddp_not_given" else model, sync_every=_DDP_K)
     differ = []
     warnings.simplefilter("always")
     with warnings.catch_warnings(record=True) as caught:
-        _ddp_steps(rank, world, model, net, opt, differ)
+        _ddp_steps(rank, world, model, net, opt, differ, average_grads=wrap == "own_allreduce")
     warned = [str(w.message) for w in caught if issubclass(w.category, flo.AveragedElsewhereWarning)]
     return [p.detach().clone() for p in net.parameters()], differ, type(opt._ddp).__name__, warned
 
 
-def _ddp_steps(rank, world, model, net, opt, differ):
+def _ddp_steps(rank, world, model, net, opt, differ, average_grads=False):
     for step in range(1, _DDP_STEPS + 1):
         x, y = _amp_batch(rank, step)
         opt.zero_grad()
         nn.functional.mse_loss(model(x.float()), y.float()).backward()
+        if average_grads:  # the script's own gradient all-reduce, left in by mistake
+            for p in net.parameters():
+                torch.distributed.all_reduce(p.grad)
+                p.grad.div_(world)
         opt.step()
         if opt.steps_since_sync:
             mine = torch.cat([p.detach().flatten() for p in net.parameters()])
@@ -242,9 +246,22 @@ def test_ddp_inside_torch_compile_trains_locally():
         assert warned == [] and ref[r][3] == []
 
 
-def test_ddp_that_flodl_was_not_given_is_reported():
-    for params, differ, bridge, warned in run_ranks(_ddp_run, 2, "ddp_not_given", timeout=60):
-        assert bridge == "NoneType" and not any(differ)  # DDP averaged every step: no local SGD
+def test_ddp_built_around_the_model_is_found_at_the_first_step():
+    """model=net, with a DDP wrapper around net that flodl was not given (what Accelerate's
+    prepare(model, opt) and the HF Trainer build after the optimizer): found and made local."""
+    out = run_ranks(_ddp_run, 2, "ddp_not_given", timeout=60)
+    for params, differ, bridge, warned in out:
+        assert bridge == "DDPBridge" and warned == []
+        # step 1's backward ran before the first step() found DDP: averaged, so the ranks are
+        # still equal; then local steps (2, 4, 5) leave them apart
+        assert differ == [False, True, True, True], differ
+    for a, b in zip(out[0][0], out[1][0]):
+        assert torch.equal(a, b)  # the sync at step 6
+
+
+def test_gradients_averaged_elsewhere_are_reported():
+    for params, differ, bridge, warned in run_ranks(_ddp_run, 2, "own_allreduce", timeout=60):
+        assert bridge == "NoneType" and not any(differ)  # averaged every step: no local SGD
         assert len(warned) == 1 and "something else averaged the gradients" in warned[0], warned
         assert "model=ddp_model" in warned[0] and "sync #1" in warned[0]
 
@@ -292,14 +309,30 @@ def test_init_in_a_world_of_one_adopts_a_process_group_created_later():
 
 
 # ---------------------------------------------------------------- Accelerate's prepare() order
-def test_a_copying_to_after_wrapping_names_the_cause_and_the_fix():
+def test_params_copied_after_wrapping_are_adopted_and_a_dtype_change_is_refused():
+    torch.manual_seed(0)
+    ref = nn.Linear(3, 2)
     model = nn.Linear(3, 2)
-    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, sync_every=1)
+    model.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, sync_every=2)
+    flat = opt._param_groups_flat[0].flat
     model.to(torch.device("cpu", 0))  # what accelerator.prepare(model) does: a copy, same device
-    model(torch.ones(1, 3)).sum().backward()
-    with pytest.raises(flo.ConfigError, match=r"same dtype and device, so it was copied.*Accelerate's "
-                       r"prepare\(\).*model = accelerator.prepare\(model\)"):
-        opt.step()
+    assert model.weight.data_ptr() != flat.data_ptr()
+    for step in range(4):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            m(torch.full((1, 3), float(step + 1))).square().sum().backward()
+            o.step()
+    # back in the buffer since the sync at step 2, and trained exactly like the unwrapped model
+    assert model.weight.data_ptr() == flat.data_ptr()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    model.double()  # the buffer is float32: this cannot be adopted
+    model(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+    with pytest.raises(flo.ConfigError, match=r"was replaced or moved after the optimizer was wrapped "
+                       r"\(now torch.float64 on cpu.*Move the model"):
+        opt.step(), opt.step()
 
 
 # ---------------------------------------------------------------- torch.distributed.checkpoint
@@ -392,8 +425,12 @@ def test_accelerate_recipe_trains_locally_and_saves_every_tensor(tmp_path):
     for differ, saved_ok in run_ranks(_accelerate_rank, 2, str(tmp_path), "recipe", timeout=90):
         assert differ == [True, False, True, False, True], differ  # apart but at the syncs (steps 2, 4)
         assert saved_ok
-    for message in run_ranks(_accelerate_rank, 2, str(tmp_path / "d"), "documented", timeout=90):
-        assert "Accelerate's prepare()" in message and "accelerator.prepare(model)" in message
+    # prepare(model, opt) in one call copies the params and wraps DDP after the optimizer: the
+    # copies are adopted at the first sync and the DDP is found at the first step (whose
+    # backward it already averaged: equal after step 1)
+    for differ, saved_ok in run_ranks(_accelerate_rank, 2, str(tmp_path / "d"), "documented", timeout=90):
+        assert differ == [False, False, True, False, True], differ
+        assert saved_ok
 
 
 # ---------------------------------------------------------------- Lightning (optional extra)

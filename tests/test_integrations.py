@@ -579,3 +579,107 @@ def test_hf_trainer_trains_locally_and_resumes_every_rank_exactly(tmp_path):
             assert torch.equal(a, b)        # and so does every rank's own AdamW state: exact
         for k, v in full[r][5].items():
             assert all(torch.equal(v[n], resumed[r][5][k][n]) for n in ("exp_avg", "exp_avg_sq"))
+
+
+# ---------------------------------------------------------------- under the frameworks' own launchers
+def _launch_script(tmp_path, source, args, timeout=240):
+    import subprocess
+    import sys
+    import textwrap
+    from dist_harness import ROOT, free_port
+    script = tmp_path / "script.py"
+    script.write_text(_RESULT + textwrap.dedent(source))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", MASTER_PORT=str(free_port()),
+               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    try:
+        proc = subprocess.run([sys.executable, *args(str(script))], cwd=str(tmp_path), env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # subprocess.run kills the tree
+        pytest.fail(f"did not finish in {timeout}s:\n{(e.stdout or '')[-4000:]}")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    import json
+    lines = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in lines) == [0, 1], proc.stdout[-4000:]
+    return sorted(lines, key=lambda r: r["rank"])
+
+
+_RESULT = '''
+def result(opt, params):
+    import json, torch.distributed as dist
+    print("RESULT " + json.dumps({
+        "rank": dist.get_rank(), "bridge": type(opt._ddp).__name__, "syncs": opt.sync_count,
+        "steps": opt.local_steps, "divergence": opt.last_sync.divergence,
+        "checksum": repr(sum(float(p.double().sum()) for p in params))}), flush=True)
+'''
+
+
+def test_lightning_ddp_spawn_trains_locally(tmp_path):
+    pytest.importorskip("lightning", reason="lightning is not installed (optional integration extra)")
+    out = _launch_script(tmp_path, '''
+        import torch, lightning as L
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
+        import flodl_opt as flo
+
+        class Module(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+            def training_step(self, batch, i):
+                return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+            def configure_optimizers(self):
+                self.flo = flo.LocalSGDOptimizer(torch.optim.SGD(self.parameters(), lr=0.1), model=self,
+                                                 sync_every=3)
+                return self.flo
+
+            def on_train_end(self):
+                self.flo.sync()  # max_steps=5 is not a multiple of K=3
+                result(self.flo, self.parameters())
+
+        if __name__ == "__main__":
+            g = torch.Generator().manual_seed(0)
+            data = TensorDataset(torch.randn(80, 4, generator=g), torch.randn(80, 2, generator=g))
+            trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=5, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+            trainer.fit(Module(), DataLoader(data, batch_size=4))
+    ''', lambda s: [s])
+    for r in out:
+        assert r["bridge"] == "DDPBridge" and r["syncs"] == 2 and r["steps"] == 5
+        assert r["divergence"] > 1e-3  # the ranks trained apart: DDP's all-reduce was off
+    assert out[0]["checksum"] == out[1]["checksum"]
+
+
+def test_accelerate_under_torchrun_in_the_documented_order(tmp_path):
+    pytest.importorskip("accelerate", reason="accelerate is not installed (optional integration extra)")
+    out = _launch_script(tmp_path, '''
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
+        from accelerate import Accelerator
+        import flodl_opt as flo
+
+        acc = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+        opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model=model, sync_every=4)
+        g = torch.Generator().manual_seed(0)
+        loader = DataLoader(TensorDataset(torch.randn(80, 4, generator=g), torch.randn(80, 2, generator=g)),
+                            batch_size=4, shuffle=True)
+        model, opt, loader = acc.prepare(model, opt, loader)  # one call, as Accelerate documents
+        for x, y in loader:
+            opt.zero_grad()
+            acc.backward(nn.functional.mse_loss(model(x), y))
+            opt.step()
+        opt.optimizer.sync()  # 10 steps is not a multiple of K=4
+        result(opt.optimizer, model.parameters())
+    ''', lambda s: ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", s])
+    for r in out:
+        # syncs at 4 and 8, the final one at 10; the ranks trained apart (DDP's all-reduce was off)
+        assert r["bridge"] == "DDPBridge" and r["syncs"] == 3 and r["steps"] == 10
+        assert r["divergence"] > 1e-4
+    assert out[0]["checksum"] == out[1]["checksum"]

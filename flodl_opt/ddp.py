@@ -78,7 +78,9 @@ def find_wrapper_of(model: Optional[nn.Module]) -> Optional[nn.Module]:
     import gc
     from torch.nn.parallel import DistributedDataParallel
     for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel):
+        # type(), not isinstance(): isinstance() asks proxy objects for __class__, which can have
+        # side effects (torch.distributed's deprecated reduce_op warns when asked)
+        if issubclass(type(obj), DistributedDataParallel):
             wrapped = obj.__dict__.get("_modules", {}).get("module")
             if wrapped is not None and any(m is model for m in wrapped.modules()):
                 return obj

@@ -43,7 +43,7 @@ from .flat import FlatGroup, own_storage_state_dicts, pack, signature, unique
 from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
 from .stall import DEFAULT_STALL_WARNING_S, StallWatchdog
 from .wire import DEFAULT_WIRE_BLOCK, make_wire, wire_config
-from .streaming import Schedule, StreamingSync
+from .streaming import Schedule, StreamingSync, round_period
 
 STATE_KEY = "flodl_opt"
 STATE_VERSION = 1
@@ -115,8 +115,11 @@ class LocalSGDOptimizer(WrappedOptimizer):
             raise ConfigError("sync_every='auto' decides from the divergence readout, which needs the "
                               "pre-sync copy: drop keep_presync=False or pass an int sync_every")
         if self._adaptive is not None and (fragments > 1 or overlap_steps > 0):
-            raise ConfigError("sync_every='auto' is not supported with fragments/overlap_steps yet: "
-                              "pass an int sync_every, or fragments=1 and overlap_steps=0")
+            _validate_stream(fragments, overlap_steps, fragments * (overlap_steps + 1), warmup_steps,
+                             keep_presync)
+            # the fragment schedule runs multiples of P with overlap_steps < K/P only
+            self._adaptive.every = round_period(self._adaptive.every, self._adaptive, fragments,
+                                                overlap_steps)
         _validate_stream(fragments, overlap_steps, self._adaptive.every if self._adaptive is not None
                          else sync_every, warmup_steps, keep_presync)
         self._wire = make_wire(wire, wire_block, error_feedback)  # None: the float32 reduce
@@ -180,7 +183,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
                 group_size, self._rank, launch.backend(), gamma=self.gamma,
                 nonfinite_guard=nonfinite_guard, gloo_chunk_bytes=gloo_chunk_bytes,
                 inner_lr=lambda: self.optimizer.param_groups[0]["lr"],
-                on_nonfinite=self._reset_nonfinite_inner_state, waiting=self._waiting)
+                on_nonfinite=self._reset_nonfinite_inner_state, waiting=self._waiting,
+                auto=self._adaptive)
             self._stream.setup_outer()
         # CUDA: packing copied every tensor into its flat buffer on the current stream and freed
         # the old storage, which the caching allocator may hand to another stream at once; the
@@ -330,6 +334,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self.last_sync = stats
         if done and self._stream is not None:
             self._steps_since_sync = self._stream.since[0]
+            if self._adaptive is not None:  # a round may have ended with a new period
+                self.sync_every = self._stream.schedule.period
 
     def _check_before_sync(self) -> None:
         for g in self._param_groups_flat + self._buffer_groups_flat:

@@ -47,6 +47,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .adaptive import DRIFT_BYTES, AdaptiveSync, share_drift
 from .consensus import SyncStats, gamma_mass
 from .errors import ConfigError, NonFiniteError, SyncError
 from .flat import FlatGroup
@@ -170,6 +171,43 @@ class Schedule:
         return p * self.stride
 
 
+class RoundSchedule(Schedule):
+    """``sync_every="auto"``: a :class:`Schedule` whose period may change once per round.
+
+    A round ends when fragment 0 is issued (its offset is K: fragments 1..P-1 go first). The next
+    round starts at that step, with the period decided at fragment 0's merge, ``tau`` steps later
+    and so before the round's first issue (``tau < K'/P``): every offset is ``p*K'/P`` of the new
+    period, counted from the round's start. With a fixed period it issues exactly as Schedule.
+    """
+
+    def __init__(self, sync_every: int, fragments: int, overlap_steps: int):
+        super().__init__(sync_every, fragments, overlap_steps)
+        self.origin = 0  # the step the current round started at
+
+    def issue_at(self, t: int) -> Optional[int]:
+        r = t - self.origin
+        if r < 1 or r % self.stride:
+            return None
+        return (r // self.stride) % self.parts
+
+    def set_period(self, k: int) -> None:
+        Schedule.__init__(self, k, self.parts, self.tau)  # the same checks: K % P == 0, tau < K/P
+
+
+def round_period(k: int, auto: AdaptiveSync, fragments: int, overlap_steps: int) -> int:
+    """The nearest period the fragment schedule can run: a multiple of P with ``tau < K/P``,
+    within the controller's bounds (rounded inwards to multiples of P)."""
+    lo = max(fragments * (overlap_steps + 1), -(-auto.min_every // fragments) * fragments)
+    hi = (auto.max_every // fragments) * fragments
+    if hi < lo:
+        raise ConfigError(
+            f"flodl_opt: sync_every={auto!r} with fragments={fragments}, overlap_steps={overlap_steps} "
+            f"needs periods that are multiples of {fragments} and at least {lo} (overlap_steps < "
+            f"K/fragments), but max_every={auto.max_every}: raise max_every to >= {lo}, or use fewer "
+            "fragments or overlap steps")
+    return min(hi, max(lo, fragments * int(math.floor(k / fragments + 0.5))))
+
+
 # ------------------------------------------------------------------ one sync in flight
 @dataclass
 class _Flight:
@@ -237,9 +275,14 @@ class StreamingSync:
                  gloo_chunk_bytes: int = 64 << 20,
                  inner_lr: Callable[[], float] = lambda: 0.0,
                  on_nonfinite: Optional[Callable[[int], None]] = None,
-                 waiting: Optional[Callable[[int], ContextManager]] = None):
+                 waiting: Optional[Callable[[int], ContextManager]] = None,
+                 auto: Optional[AdaptiveSync] = None):
         check_outer(outer)
-        self.schedule = Schedule(sync_every, fragments, overlap_steps)
+        # auto: the period changes at round boundaries, decided from the round's fragment readouts
+        self.auto = auto
+        self.schedule = Schedule(sync_every, fragments, overlap_steps) if auto is None else \
+            RoundSchedule(sync_every, fragments, overlap_steps)
+        self._round: List[Tuple[float, float, int]] = []  # (diff^2, post^2, steps) per merge
         self.param_groups, self.buffer_groups = list(param_groups), list(buffer_groups)
         self.fragments = split_fragments(param_groups, params, buffer_groups, buffers, fragments)
         self.outer = outer
@@ -293,9 +336,44 @@ class StreamingSync:
         p = self.schedule.issue_at(self.clock)
         if p is not None:
             self._issue(p, active)
+            if self.auto is not None and p == 0:
+                self.schedule.origin = self.clock  # fragment 0 closes the round: the next starts here
             if self.schedule.tau == 0:
                 out += self._merge_checked()
+        if self.auto is not None and out:
+            self._observe(out)
         return out
+
+    # -------------------------------------------------------------- sync_every="auto"
+    def _observe(self, done: List[SyncStats]) -> None:
+        """Keep this round's readouts; at fragment 0's merge, choose the next round's period."""
+        for st in done:
+            if not st.skipped and st.divergence is not None and st.post_norm is not None and \
+                    math.isfinite(st.divergence):
+                self._round.append(((st.divergence * st.post_norm) ** 2, st.post_norm ** 2, st.steps))
+        closing = next((st for st in done if st.fragment == 0), None)
+        if closing is not None:
+            self._decide(closing)
+        for st in done:
+            st.next_every = self.schedule.period
+
+    def _decide(self, stats: SyncStats) -> None:
+        """The whole model's divergence over the round (sum of the fragments' squares), then the
+        blocking rule's one tiny SUM, so every rank picks the same period from the same numbers."""
+        diff = sum(r[0] for r in self._round)
+        post = sum(r[1] for r in self._round)
+        steps = sum(r[2] for r in self._round) / len(self._round) if self._round else 0
+        mine = math.sqrt(diff / post) if post > 0.0 else None
+        self._round = []
+        drift = share_drift(mine, steps, self.group, self.distributed, self.comm_device, self.rank,
+                            stats.sync)
+        if self.distributed:
+            stats.collectives += 1
+            stats.bytes += DRIFT_BYTES
+        stats.cohort_divergence = drift.divergence if drift.reporters else None
+        k = round_period(self.auto.next_period(drift), self.auto, self.schedule.parts, self.schedule.tau)
+        self.auto.every = k
+        self.schedule.set_period(k)
 
     def drain(self) -> None:
         """Wait for the collectives in flight; the merge stays at its scheduled step."""
@@ -478,6 +556,9 @@ class StreamingSync:
                               "pending": None,
                               # each fragment's own outer step count (DiLoCo's warm-up depends on it)
                               "outer_steps": [getattr(o, "steps", None) for o in self._outers]}
+        if self.auto is not None:  # the round in progress: its start, its period, its readouts
+            sd["round"] = {"origin": self.schedule.origin, "period": self.schedule.period,
+                           "readouts": [list(r) for r in self._round]}
         f = self.pending
         if f is not None:
             assert f.done, "drain() before state_dict()"
@@ -498,6 +579,11 @@ class StreamingSync:
         for o, n in zip(self._outers, sd.get("outer_steps") or []):
             if n is not None:
                 o.steps = int(n)
+        if self.auto is not None and sd.get("round") is not None:
+            rd = sd["round"]
+            self.schedule.set_period(int(rd["period"]))
+            self.schedule.origin = int(rd["origin"])
+            self._round = [(float(a), float(b), int(c)) for a, b, c in rd["readouts"]]
         self.pending = None
         p = sd.get("pending")
         if p is None:

@@ -348,3 +348,132 @@ def test_charlm_demo_accepts_auto_and_reports_k(tmp_path):
     assert ks and all(isinstance(k, int) and 2 <= k <= 256 for k in ks)
     a, b = res["final"]["param_checksums"]
     assert a == b  # ends on the consensus
+
+
+# ---------------------------------------------------------------- with fragments and overlap
+def _quantize(k, parts, tau, lo_k, hi_k):
+    """Independent of the library: the nearest multiple of P with tau < K/P, inside the bounds."""
+    lo = max(parts * (tau + 1), parts * math.ceil(lo_k / parts))
+    hi = parts * (hi_k // parts)
+    return min(hi, max(lo, parts * math.floor(k / parts + 0.5)))
+
+
+def _stream_opt(model, ctl, outer="avg"):
+    return flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-2), model=model,
+                                 sync_every=ctl, outer=outer, fragments=2, overlap_steps=1)
+
+
+def _logged(opt):
+    """Every fragment sync's stats, in order (a test probe on the optimizer's record step)."""
+    log, record = [], opt._record
+
+    def probe(done):
+        log.extend((opt.local_steps, s) for s in done)
+        record(done)
+    opt._record = probe
+    return log
+
+
+def rank_stream_agree(rank, world):
+    model = _model()
+    opt = _stream_opt(model, AdaptiveSync(min_every=3, max_every=24, target=0.1, initial=5))
+    assert opt.sync_every == 6  # initial 5 -> the nearest period the schedule runs (P=2: halves up)
+    log = _logged(opt)
+    for i in range(90):
+        _step(model, opt, rank, i)
+    scheduled = len(log)
+    opt.sync()
+    rows = [{"at": at, "fragment": s.fragment, "div": s.divergence, "post": s.post_norm,
+             "steps": s.steps, "k": s.next_every, "skipped": s.skipped, "cohort": s.cohort_divergence}
+            for at, s in log[:scheduled]]  # all but the closing opt.sync()
+    return {"rows": gather_object(rows),
+            "params": gather_object(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))}
+
+
+def test_auto_with_fragments_and_overlap_agrees_on_every_rank_and_follows_the_rule():
+    res = run_ranks(rank_stream_agree, 3, timeout=120)[0]
+    rows = res["rows"]
+    assert all(len(r) == len(rows[0]) for r in rows)
+    for r in range(3):
+        assert torch.equal(res["params"][r], res["params"][0])
+        assert [(x["at"], x["fragment"], x["k"]) for x in rows[r]] == \
+            [(x["at"], x["fragment"], x["k"]) for x in rows[0]]  # same syncs, same K, every rank
+    k, readouts, last_close, decided = 6, [[] for _ in range(3)], None, []
+    for i, recs in enumerate(zip(*rows)):
+        for r, x in enumerate(recs):
+            if not x["skipped"] and x["div"] is not None:
+                readouts[r].append(((x["div"] * x["post"]) ** 2, x["post"] ** 2, x["steps"]))
+        if recs[0]["fragment"] != 0:
+            assert all(x["k"] == k for x in recs)
+            continue
+        # fragment 0 closes a round: its merge comes K (of that round) steps after the previous one
+        if last_close is not None:
+            assert recs[0]["at"] - last_close == k
+        last_close = recs[0]["at"]
+        divs = [math.sqrt(sum(a for a, _, _ in rd) / sum(b for _, b, _ in rd)) for rd in readouts]
+        steps = [sum(c for _, _, c in rd) / len(rd) for rd in readouts]
+        assert len({round(d, 12) for d in divs}) == 3, divs  # the ranks' readouts really differ
+        want = _quantize(_reference_next(k, divs, steps, 3, 24, 0.1, 2.0), 2, 1, 3, 24)
+        assert all(x["k"] == want for x in recs), (i, want, [x["k"] for x in recs])
+        rms = math.sqrt(sum(d * d for d in divs) / 3)
+        assert all(x["cohort"] == pytest.approx(rms, rel=1e-12) for x in recs)
+        k, readouts = want, [[] for _ in range(3)]
+        decided.append(want)
+    assert len(decided) >= 4 and len(set(decided)) > 1  # several rounds, and K did move
+    assert all(4 <= d <= 24 and d % 2 == 0 for d in decided)
+
+
+def _stream_resume(rank, total, cut, outer):
+    def build():
+        model = _model()
+        return model, _stream_opt(model, AdaptiveSync(min_every=2, max_every=16, target=0.1, initial=4),
+                                  outer)
+    model, opt = build()
+    ks = []
+    for i in range(total):
+        if cut and i == cut:
+            saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+            model, opt = build()
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+        _step(model, opt, rank, i)
+        ks.append((opt.sync_every, opt._stream.pending is not None))
+    return [t.detach().clone() for t in model.state_dict().values()], opt.state_dict()["flodl_opt"], ks
+
+
+def rank_stream_resume(rank, world):
+    for outer in ("avg", "diloco"):
+        ref, ref_state, ref_ks = _stream_resume(rank, 48, None, outer)
+        assert len({k for k, _ in ref_ks}) > 1
+        changed = next(i for i in range(1, 48) if ref_ks[i][0] != ref_ks[i - 1][0]) + 1
+        in_flight = next(i for i in range(changed + 1, 48) if ref_ks[i - 1][1])  # saved mid-flight
+        for cut in (changed, in_flight, 29):
+            got, state, ks = _stream_resume(rank, 48, cut, outer)
+            assert ks[cut:] == ref_ks[cut:]
+            assert state["adaptive"] == ref_state["adaptive"] and state["counters"] == ref_state["counters"]
+            assert state["stream"]["round"] == ref_state["stream"]["round"]
+            for a, b in zip(ref, got):
+                assert torch.equal(a, b), f"resume at {cut} with outer={outer} is not exact"
+    return True
+
+
+def test_exact_resume_with_auto_fragments_and_a_fragment_in_flight():
+    run_ranks(rank_stream_resume, 2, timeout=120)
+
+
+def rank_stream_join(rank, world):
+    model = _model()
+    opt = _stream_opt(model, AdaptiveSync(min_every=2, max_every=12, target=0.1, initial=4), "diloco")
+    ks = []
+    with opt.join():
+        for i in range(50 if rank == 0 else 17):  # rank 1 runs out of data first
+            _step(model, opt, rank, i)
+            ks.append(opt.sync_every)
+    return {"ks": gather_object(ks), "params": gather_object(
+        torch.cat([p.detach().reshape(-1) for p in model.parameters()]))}
+
+
+def test_auto_with_fragments_under_join_ends_identical():
+    res = run_ranks(rank_stream_join, 2, timeout=120)[0]
+    assert res["ks"][0][:17] == res["ks"][1]
+    assert torch.equal(res["params"][0], res["params"][1])

@@ -148,12 +148,14 @@ def make_adaptive(sync_every: Any) -> Optional[AdaptiveSync]:
     return None
 
 
-def share_drift(divergence: Optional[float], steps: int, group: Optional[dist.ProcessGroup],
-                distributed: bool, device: torch.device, rank: int, sync_number: int) -> CohortDrift:
+def share_drift(divergence: Optional[float], steps: float, stats: Any, group: Optional[dist.ProcessGroup],
+                distributed: bool, device: torch.device, rank: int) -> CohortDrift:
     """One tiny SUM of this rank's readout: the cohort's drift, the same on every rank.
 
     Only a rank that moved and has a finite readout reports; the others add zeros (a joined or
     non-finite rank has nothing to say about drift, but must still take part in the collective).
+    ``stats`` (the SyncStats of the sync that decides) counts the collective and its bytes and
+    records the cohort's divergence.
     """
     report = steps > 0 and divergence is not None and math.isfinite(divergence)
     d = float(divergence) if report else 0.0
@@ -163,13 +165,16 @@ def share_drift(divergence: Optional[float], steps: int, group: Optional[dist.Pr
         try:
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
         except Exception as exc:  # the consensus itself completed: the params hold it
-            raise SyncError(rank, sync_number, exc, restored=False,
+            raise SyncError(rank, stats.sync, exc, restored=False,
                             state="params hold the completed consensus; only the adaptive "
                                   "period's readout failed") from exc
+        stats.collectives += 1
+        stats.bytes += DRIFT_BYTES
     reporters, d2, n = buf.tolist()
-    if reporters <= 0:
-        return CohortDrift(0, 0.0, 0.0)
-    return CohortDrift(int(reporters), math.sqrt(d2 / reporters), n / reporters)
+    drift = CohortDrift(0, 0.0, 0.0) if reporters <= 0 else \
+        CohortDrift(int(reporters), math.sqrt(d2 / reporters), n / reporters)
+    stats.cohort_divergence = drift.divergence if drift.reporters else None
+    return drift
 
 
 DRIFT_BYTES = 3 * 8  # the share's payload, counted in SyncStats.bytes

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ddp, launch
-from .adaptive import DRIFT_BYTES, AdaptiveSync, make_adaptive, share_drift
+from .adaptive import AdaptiveSync, make_adaptive, share_drift
 from .amp import scaler_says_skip
 from .consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
 from .wrapping import WrappedOptimizer, check_same_on_every_rank
@@ -352,12 +352,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
         """
         c = self._consensus
         with self._waiting(stats.sync):
-            drift = share_drift(stats.divergence, stats.steps, self.process_group, c.distributed,
-                                c.comm_device, self._rank, stats.sync)
-        if c.distributed:
-            stats.collectives += 1
-            stats.bytes += DRIFT_BYTES
-        stats.cohort_divergence = drift.divergence if drift.reporters else None
+            drift = share_drift(stats.divergence, stats.steps, stats, self.process_group, c.distributed,
+                                c.comm_device, self._rank)
         self.sync_every = self._adaptive.next_period(drift)
 
     def _fence_before_sync(self) -> Optional["torch.cuda.Stream"]:

@@ -47,7 +47,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .adaptive import DRIFT_BYTES, AdaptiveSync, share_drift
+from .adaptive import AdaptiveSync, share_drift
 from .consensus import SyncStats, gamma_mass
 from .errors import ConfigError, NonFiniteError, SyncError
 from .flat import FlatGroup
@@ -365,12 +365,7 @@ class StreamingSync:
         steps = sum(r[2] for r in self._round) / len(self._round) if self._round else 0
         mine = math.sqrt(diff / post) if post > 0.0 else None
         self._round = []
-        drift = share_drift(mine, steps, self.group, self.distributed, self.comm_device, self.rank,
-                            stats.sync)
-        if self.distributed:
-            stats.collectives += 1
-            stats.bytes += DRIFT_BYTES
-        stats.cohort_divergence = drift.divergence if drift.reporters else None
+        drift = share_drift(mine, steps, stats, self.group, self.distributed, self.comm_device, self.rank)
         k = round_period(self.auto.next_period(drift), self.auto, self.schedule.parts, self.schedule.tau)
         self.auto.every = k
         self.schedule.set_period(k)

@@ -62,7 +62,6 @@ class LocalSGDCallback:
 
     def __init__(self, resume_from: Optional[str] = None):
         self.resume_from = resume_from
-        self._opt: Optional[LocalSGDOptimizer] = None
         self._resume_checked = False
 
     def __getattr__(self, name: str) -> Any:
@@ -76,7 +75,6 @@ class LocalSGDCallback:
             raise ConfigError("flodl_opt: LocalSGDCallback needs the Trainer to train with a "
                               "flo.LocalSGDOptimizer: pass Trainer(..., optimizers=(opt, None)) "
                               "with opt = flo.LocalSGDOptimizer(...)")
-        self._opt = opt
         return opt
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -47,6 +47,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launcher_env() -> dict:
+    """The environment for starting a launcher (torchrun, mpirun, a framework's spawn) from a test:
+    no rank variables inherited, one thread per rank, CPU only, this checkout importable."""
+    env = dict(os.environ)
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(v, None)
+    env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # two ranks on this machine's CPU, even on a one-GPU box
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["MASTER_PORT"] = str(free_port())
+    return env
+
+
+def run_launcher(cmd: List[str], env: dict, cwd: str = ROOT, timeout: float = 240.0) -> str:
+    """Run a launcher command to the end (its process tree is killed past ``timeout``); fail the
+    test with its output unless it exits 0; return its output."""
+    import subprocess
+    import pytest
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # the process tree is killed by subprocess.run
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:.0f}s; output:\n{out[-4000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}"
+    return proc.stdout
+
+
 def _rank_main(fn, rank, world_size, port, args, queue, init_timeout_s, env):
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),

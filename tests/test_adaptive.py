@@ -198,8 +198,14 @@ def _resume(rank, total, cut, outer):
                                                             target=0.01, initial=3))
         return model, opt
 
+    return _train_with_cut(build, rank, total, cut, lambda opt: opt.sync_every)
+
+
+def _train_with_cut(build, rank, total, cut, probe):
+    """Train ``total`` steps; at step ``cut`` (if any) save, rebuild and load, then go on.
+    Returns the final model state, flodl_opt's state and ``probe(opt)`` after every step."""
     model, opt = build()
-    ks = []
+    seen = []
     for i in range(total):
         if cut and i == cut:
             saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
@@ -207,9 +213,9 @@ def _resume(rank, total, cut, outer):
             model.load_state_dict(saved[0])
             opt.load_state_dict(saved[1])
         _step(model, opt, rank, i)
-        ks.append(opt.sync_every)
+        seen.append(probe(opt))
     return ([t.detach().clone() for t in model.state_dict().values()],
-            opt.state_dict()["flodl_opt"], ks)
+            opt.state_dict()["flodl_opt"], seen)
 
 
 def rank_exact_resume(rank, world):
@@ -428,17 +434,8 @@ def _stream_resume(rank, total, cut, outer):
         model = _model()
         return model, _stream_opt(model, AdaptiveSync(min_every=2, max_every=16, target=0.1, initial=4),
                                   outer)
-    model, opt = build()
-    ks = []
-    for i in range(total):
-        if cut and i == cut:
-            saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
-            model, opt = build()
-            model.load_state_dict(saved[0])
-            opt.load_state_dict(saved[1])
-        _step(model, opt, rank, i)
-        ks.append((opt.sync_every, opt._stream.pending is not None))
-    return [t.detach().clone() for t in model.state_dict().values()], opt.state_dict()["flodl_opt"], ks
+    return _train_with_cut(build, rank, total, cut,
+                           lambda opt: (opt.sync_every, opt._stream.pending is not None))
 
 
 def rank_stream_resume(rank, world):

@@ -583,25 +583,15 @@ def test_hf_trainer_trains_locally_and_resumes_every_rank_exactly(tmp_path):
 
 # ---------------------------------------------------------------- under the frameworks' own launchers
 def _launch_script(tmp_path, source, args, timeout=240):
-    import subprocess
+    import json
     import sys
     import textwrap
-    from dist_harness import ROOT, free_port
+    from dist_harness import launcher_env, run_launcher
     script = tmp_path / "script.py"
     script.write_text(_RESULT + textwrap.dedent(source))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", MASTER_PORT=str(free_port()),
-               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    try:
-        proc = subprocess.run([sys.executable, *args(str(script))], cwd=str(tmp_path), env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
-    except subprocess.TimeoutExpired as e:  # subprocess.run kills the tree
-        pytest.fail(f"did not finish in {timeout}s:\n{(e.stdout or '')[-4000:]}")
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    import json
-    lines = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert sorted(r["rank"] for r in lines) == [0, 1], proc.stdout[-4000:]
+    out = run_launcher([sys.executable, *args(str(script))], launcher_env(), cwd=str(tmp_path), timeout=timeout)
+    lines = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in lines) == [0, 1], out[-4000:]
     return sorted(lines, key=lambda r: r["rank"])
 
 

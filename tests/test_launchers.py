@@ -11,41 +11,17 @@ ranks really communicated (their shards differ, so unsynced ranks would end apar
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from dist_harness import free_port
+from dist_harness import launcher_env, run_launcher
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240
 NUM = r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
 LINE = re.compile(rf"rank (\d+) of (\d+)(?: \((\w+)\))?: .*?param_checksum=({NUM})")
 
 pytestmark = pytest.mark.launcher
-
-
-def _env():
-    env = dict(os.environ)
-    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(v, None)
-    env["OMP_NUM_THREADS"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = ""  # two ranks on this machine's CPU, even on a one-GPU box
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env["MASTER_PORT"] = str(free_port())
-    return env
-
-
-def _launch(cmd, env):
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:  # the process tree is killed by subprocess.run
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT_S}s; output:\n{out[-4000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}"
-    return proc.stdout
 
 
 def _ranks(out):
@@ -60,22 +36,22 @@ MNIST = ["examples/horovod_mnist.py", "--epochs", "1", "--train-samples", "512",
 def test_mpirun_runs_the_horovod_example():
     if shutil.which("mpirun") is None:
         pytest.skip("mpirun not found: install Open MPI (Debian: apt-get install openmpi-bin)")
-    env = _env()
+    env = launcher_env()
     # one node needs no remote shell; without ssh/rsh Open MPI's default launcher refuses to start
     local = [] if shutil.which("ssh") or shutil.which("rsh") else ["--mca", "plm", "isolated"]
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", *local,
            "-x", "MASTER_PORT", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", sys.executable] + MNIST
-    ranks = _ranks(_launch(cmd, env))
+    ranks = _ranks(run_launcher(cmd, env, timeout=TIMEOUT_S))
     assert {w for w, _, _ in ranks.values()} == {2}
     assert {launcher for _, launcher, _ in ranks.values()} == {"openmpi"}
     assert ranks[0][2] == ranks[1][2]  # DistributedOptimizer kept both ranks identical
 
 
 def test_torchrun_runs_the_ddp_script_with_local_sgd():
-    env = _env()
+    env = launcher_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "examples/ddp_train.py", "--epochs", "1", "--samples", "512", "--sync-every", "4", "--warmup", "2"]
-    out = _launch(cmd, env)
+    out = run_launcher(cmd, env, timeout=TIMEOUT_S)
     ranks = _ranks(out)
     assert {w for w, _, _ in ranks.values()} == {2}
     assert ranks[0][2] == ranks[1][2]

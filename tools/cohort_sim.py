@@ -43,6 +43,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import flodl_opt as flo  # noqa: E402
+from flodl_opt.adaptive import DRIFT_BYTES, CohortDrift  # noqa: E402
 from flodl_opt.flat import aligned_offsets  # noqa: E402
 import train_charlm as demo  # noqa: E402
 
@@ -56,10 +57,13 @@ def method_spec(name: str) -> Dict:
     ``allreduce``, ``one-rank``, ``sync-k1``, ``localsgd-k{K}``, ``postlocal-w{W}-k{K}``,
     ``diloco-h{H}`` (library defaults), ``diloco-h{H}-lr{LR}-m{MU}`` (explicit outer lr, momentum),
     ``diloco-h{H}-paper`` (lr 0.7, Nesterov 0.9, no warm-up: the former defaults),
-    ``diloco-h{H}-...-wd0`` (no inner weight decay), ``slowmo-k{K}``.
+    ``diloco-h{H}-...-wd0`` (no inner weight decay), ``slowmo-k{K}``, ``localsgd-auto`` and
+    ``localsgd-auto-t{TARGET}`` (``sync_every=flo.AdaptiveSync(target=TARGET)``: the library's rule
+    decides each next K from the ranks' RMS divergence at the sync, as in the real sync).
     """
     parts = name.split("-")
-    spec = {"name": name, "kind": "local", "k": 1, "warmup": 0, "outer": None, "wd": 0.01, "ranks": None}
+    spec = {"name": name, "kind": "local", "k": 1, "warmup": 0, "outer": None, "wd": 0.01, "ranks": None,
+            "auto": None}
     if parts[-1] == "wd0":
         spec["wd"] = 0.0
         parts = parts[:-1]
@@ -70,6 +74,10 @@ def method_spec(name: str) -> Dict:
         spec.update(kind="single", ranks=1, k=10**9)
     elif head == "sync":
         spec["k"] = 1
+    elif head == "localsgd" and parts[1] == "auto":   # localsgd-auto[-t0.03]: flo.AdaptiveSync
+        kw = {"target": float(parts[2][1:])} if len(parts) > 2 else {}
+        spec["auto"] = kw
+        spec["k"] = flo.AdaptiveSync(**kw).every
     elif head == "localsgd":
         spec["k"] = int(parts[1][1:])
     elif head == "postlocal":
@@ -129,22 +137,48 @@ class Batched:
             for off, p in zip(self.offsets, m.parameters()):
                 flat[r, off:off + p.numel()] = p.detach().reshape(-1)
         self.flat = flat.to(device).requires_grad_(True)
+        # One leaf per param, each a view of ``flat`` (same storage). Differentiating through
+        # slices of ``flat`` itself would make every param's backward build a full [R, N] gradient
+        # and add them up (one full-size pass per param); ``backward()`` gathers the leaves' grads
+        # into ``flat.grad`` in one pass instead.
+        self.leaves = {n: self.flat.detach()[:, o:o + math.prod(s)].view(self.R, *s).requires_grad_(True)
+                       for n, o, s in zip(self.names, self.offsets, self.shapes)}
         self.layers = sum(1 for n in self.names if n.endswith("ln1.weight"))
+        self.amp = False      # bf16 autocast of the forward and backward (fp32 params and AdamW)
+        self.onehot = False   # token lookup as a one-hot matmul: no scatter-add in the backward
 
     def views(self) -> Dict[str, torch.Tensor]:
-        return {n: self.flat[:, o:o + math.prod(s)].view(self.R, *s)
-                for n, o, s in zip(self.names, self.offsets, self.shapes)}
+        return self.leaves
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss.backward()``; returns ``flat.grad`` ([R, N], zero in the alignment padding)."""
+        loss.backward()
+        if self.flat.grad is None:
+            self.flat.grad = torch.zeros_like(self.flat)
+        grad = self.flat.grad
+        for (n, leaf), o in zip(self.leaves.items(), self.offsets):
+            grad[:, o:o + leaf[0].numel()].copy_(leaf.grad.view(self.R, -1))
+            leaf.grad = None
+        return grad
 
     def losses(self, x: torch.Tensor, y: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-replica mean cross-entropy; ``x``, ``y``: ``[R', B, T]`` for replicas ``rows``."""
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            return self._losses(x, y, rows)
+
+    def _losses(self, x: torch.Tensor, y: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
         P = self.views()
         if rows is not None:
             P = {k: v[rows] for k, v in P.items()}
         R, B, T = x.shape
         V, d = P["tok.weight"].shape[1:]
-        offs = torch.arange(R, device=x.device).view(R, 1, 1) * V
-        h = P["tok.weight"].reshape(R * V, d)[x + offs] + P["pos"][:, None, :T]     # [R,B,T,d]
-        h = h.reshape(R, B * T, d)
+        if self.onehot:
+            tok = torch.bmm(F.one_hot(x.reshape(R, B * T), V).to(P["tok.weight"].dtype), P["tok.weight"])
+            h = (tok.view(R, B, T, d) + P["pos"][:, None, :T]).reshape(R, B * T, d)
+        else:
+            offs = torch.arange(R, device=x.device).view(R, 1, 1) * V
+            h = P["tok.weight"].reshape(R * V, d)[x + offs] + P["pos"][:, None, :T]     # [R,B,T,d]
+            h = h.reshape(R, B * T, d)
 
         def ln(t, name):
             return F.layer_norm(t, (d,)) * P[name + ".weight"][:, None] + P[name + ".bias"][:, None]
@@ -195,6 +229,7 @@ def simulate(args) -> Dict:
             models += [model] * m
             groups.append(g)
     net = Batched(models, args.heads, dev)
+    net.amp, net.onehot = args.amp == "bf16", args.onehot
     R, N = net.R, net.numel
     flat = net.flat
     print(f"cohort_sim: {len(groups)} runs, {R} replicas of {net.n_params / 1e6:.2f}M params on {dev}, "
@@ -224,7 +259,8 @@ def simulate(args) -> Dict:
     grad_bytes = net.n_params * 4
     for g in groups:
         g.update(local_steps=0, since=0, syncs=0, bytes=0, curve=[], train_sum=0.0, train_n=0,
-                 outer_obj=build_outer(g), pg_norm=None, outer_syncs=0)
+                 outer_obj=build_outer(g), pg_norm=None, outer_syncs=0,
+                 auto_obj=flo.AdaptiveSync(**g["auto"]) if g["auto"] is not None else None, ks=[])
         if g["outer_obj"] is not None:
             g["outer_obj"].setup([_Group(flat.detach()[g["start"]].clone())])
 
@@ -243,7 +279,7 @@ def simulate(args) -> Dict:
             v = [vals[r] for r in g["rows"]]
             pt = {"step": step, "val_loss": sum(v) / len(v),
                   "train_loss": g["train_sum"] / g["train_n"] if g["train_n"] else float("nan"),
-                  "syncs": g["syncs"], "bytes": g["bytes"], "param_sum": sums[g["start"]],
+                  "syncs": g["syncs"], "bytes": g["bytes"], "k": g["k"], "param_sum": sums[g["start"]],
                   "wall_s": time.perf_counter() - t0}
             if g["outer_obj"] is not None and g["outer_obj"].momentum:
                 pt["momentum_norm"] = float(g["outer_obj"].momentum[0].norm())
@@ -255,6 +291,12 @@ def simulate(args) -> Dict:
         rows = slice(g["start"], g["start"] + g["ranks"])
         with torch.no_grad():
             c = flat.detach()[rows].mean(0)
+            if g["auto_obj"] is not None:   # the readout d_i = ||W_i - C|| / ||C||, shared as an RMS
+                d = (flat.detach()[rows] - c).norm(dim=1) / c.norm()
+                drift = CohortDrift(g["ranks"], float(d.double().square().mean().sqrt()), float(g["since"]))
+                g["k"] = g["auto_obj"].next_period(drift)
+                g["ks"].append((g["local_steps"], g["k"]))
+                g["bytes"] += DRIFT_BYTES
             outer = g["outer_obj"]
             if outer is not None:
                 if g["local_steps"] <= g["warmup"]:
@@ -271,16 +313,37 @@ def simulate(args) -> Dict:
     ar_groups = [g for g in groups if g["kind"] == "allreduce"]
     local_groups = [g for g in groups if g["kind"] == "local"]
     t0 = time.perf_counter()
-    evaluate(0, t0)
-    last_print = t0
-    for step in range(1, args.steps + 1):
+    first = 1
+    if args.state and os.path.exists(args.state):   # go on from where a time-limited run stopped
+        st = torch.load(args.state, map_location=dev, weights_only=False)
+        with torch.no_grad():
+            flat.copy_(st["flat"])
+        inner.load_state_dict(st["inner"])
+        sched.load_state_dict(st["sched"])
+        for gen, gs in zip(gens, st["gens"]):
+            gen.set_state(gs.cpu())   # map_location moved the CPU generators' states too
+        for g, saved in zip(groups, st["groups"]):
+            g.update(saved)
+        first, t0 = st["step"] + 1, t0 - st["elapsed"]
+        print(f"cohort_sim: resumed at step {st['step']} from {args.state}", flush=True)
+    else:
+        evaluate(0, t0)
+    last_print = run_start = time.perf_counter()
+    for step in range(first, args.steps + 1):
+        if args.time_limit and time.perf_counter() - run_start > args.time_limit:
+            if args.state:
+                tmp = args.state + ".tmp"
+                torch.save({"step": step - 1, "flat": flat.detach(), "inner": inner.state_dict(),
+                            "sched": sched.state_dict(), "gens": [gen.get_state() for gen in gens],
+                            "groups": groups, "elapsed": time.perf_counter() - t0}, tmp)
+                os.replace(tmp, args.state)
+                print(f"cohort_sim: time limit, state at step {step - 1} saved to {args.state}", flush=True)
+            return pack(groups, net, t0, partial=True)
         starts = torch.stack([torch.randint(0, train_data.numel() - args.context - 1, (args.batch_size,),
                                             generator=gen) for gen in gens])
         seq = train_dev[(starts[..., None] + ar).to(dev)]
         losses = net.losses(seq[..., :-1], seq[..., 1:])
-        flat.grad = None
-        losses.sum().backward()
-        grad = flat.grad
+        grad = net.backward(losses.sum())
         with torch.no_grad():
             for g in ar_groups:   # gradient all-reduce: every rank steps on the mean gradient
                 rows = slice(g["start"], g["start"] + g["ranks"])
@@ -322,7 +385,7 @@ def pack(groups, net, t0, partial: bool) -> Dict:
     out_groups = []
     for g in groups:
         out_groups.append({k: g[k] for k in ("name", "kind", "k", "warmup", "wd", "seed", "ranks", "syncs",
-                                             "bytes", "curve", "outer_syncs")}
+                                             "bytes", "curve", "outer_syncs", "ks")}
                           | {"outer": repr(g["outer_obj"]) if g["outer_obj"] is not None else None,
                              "final": g["curve"][-1]})
     return {"config": {**vars(args), "params": net.n_params, "flat_numel": net.numel, "replicas": net.R,
@@ -350,10 +413,17 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=64)
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--eval-chunk", type=int, default=32, help="replicas per validation forward")
+    p.add_argument("--amp", choices=("none", "bf16"), default="none",
+                   help="bf16 autocast of the forward/backward (params, AdamW and the syncs stay fp32)")
+    p.add_argument("--onehot", action="store_true", help="token lookup as a one-hot matmul (faster backward on GPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--progress-s", type=float, default=30.0)
     p.add_argument("--partial", action="store_true", help="rewrite --json at every evaluation")
+    p.add_argument("--time-limit", type=float, default=0.0,
+                   help="stop after this many seconds of training (0: none); with --state, save to go on later")
+    p.add_argument("--state", default=None,
+                   help="checkpoint file: resumed from when it exists, written when --time-limit stops the run")
     p.add_argument("--json", required=True)
     return p.parse_args(argv)
 

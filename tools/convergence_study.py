@@ -92,6 +92,12 @@ def cells(plan: str) -> List[Dict]:
             cell(f"demo-r2-s16384-p{i}", DEMO, 2, 16384, r2, ["--seeds", seed])
             cell(f"demo-r4-s16384-p{i}", DEMO, 4, 16384, r4, ["--seeds", seed])
             cell(f"big-r2-s16384-p{i}", BIG, 2, 16384, big, ["--seeds", seed, "--eval-chunk", "8"])
+    if plan == "big16k":   # the 4.8M model to the end of 16k steps: one process, 3 seeds (~8 min on an H200)
+        cell("big-r2-s16384", BIG, 2, 16384, ["allreduce", "localsgd-k16", "diloco-h64"],
+             ["--eval-chunk", "32", "--onehot"])
+    if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
+        cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
+             ["--eval-chunk", "8", "--onehot"])
     if plan in ("demo4", "all"):
         for steps in (1024, 4096, 16384):
             cell(f"demo-r4-s{steps}", DEMO, 4, steps, base_methods(steps) + diloco_methods(16, False)
@@ -103,7 +109,8 @@ def cells(plan: str) -> List[Dict]:
         cell("smoke-r2-s64", ["--d-model", "32", "--layers", "1", "--eval-batches", "2"], 2, 64,
              ["allreduce", "sync-k1", "localsgd-k16", "diloco-h16", "diloco-h16-paper", "one-rank"])
     if not out:
-        raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, all or smoke")
+        raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, big16k, auto-big, all "
+                         "or smoke")
     return out
 
 
@@ -168,6 +175,10 @@ def label(name: str) -> str:
 def summarize(cell: Dict) -> List[Dict]:
     runs = cell["runs"]
     base = {r["seed"]: r["final"]["val_loss"] for r in runs.get("allreduce", [])}
+    # the best evaluation of each run: where a long budget overfits, "final" measures memorizing
+    best = {name: [min(r["curve"][1:] or r["curve"], key=lambda p: p["val_loss"]) for r in rs]
+            for name, rs in runs.items()}
+    best_base = {r["seed"]: b["val_loss"] for r, b in zip(runs.get("allreduce", []), best.get("allreduce", []))}
     rows = []
     for name, rs in runs.items():
         finals = [r["final"]["val_loss"] for r in rs]
@@ -182,6 +193,11 @@ def summarize(cell: Dict) -> List[Dict]:
             "syncs": rs[0]["syncs"], "bytes": rs[0]["bytes"],
             "param_sum": statistics.fmean(r["final"]["param_sum"] for r in rs),
             "outer": rs[0].get("outer"),
+            "best_mean": statistics.fmean(b["val_loss"] for b in best[name]),
+            "best_steps": [b["step"] for b in best[name]],
+            "best_gap_mean": statistics.fmean(100.0 * (b["val_loss"] - best_base[r["seed"]]) / best_base[r["seed"]]
+                                              for r, b in zip(rs, best[name]) if r["seed"] in best_base)
+            if best_base else None,
         })
     one = next((r["mean"] for r in rows if r["method"] == "one-rank"), None)
     for r in rows:
@@ -196,14 +212,17 @@ def markdown(tag: str, cell: Dict, rows: List[Dict]) -> str:
             f"seeds {seeds}" + (" (PARTIAL: the run was cut short)" if cell["partial"] else ""))
     ar_bytes = next((r["bytes"] for r in rows if r["method"] == "allreduce"), None)
     lines = [head, "", "| method | final val loss (mean +- sd) | min..max | vs allreduce (mean +- sd, paired) "
-             "| vs one rank | syncs | MB per rank | fewer bytes | sum of params |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| vs one rank | syncs | MB per rank | fewer bytes | sum of params | best val loss (mean; at steps) "
+             "| best vs allreduce's best |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         gap = "-" if r["gap_mean"] is None else f"{r['gap_mean']:+.2f}% +- {r['gap_std'] or 0:.2f}"
         vs1 = "-" if r["vs_one_rank"] is None else f"{r['vs_one_rank']:+.4f}"
         fewer = f"{ar_bytes / r['bytes']:.0f}x" if ar_bytes and r["bytes"] else "-"
         lines.append(f"| {label(r['method'])} | {r['mean']:.4f} +- {r['std']:.4f} | {r['min']:.4f}..{r['max']:.4f} "
-                     f"| {gap} | {vs1} | {r['syncs']} | {r['bytes'] / 1e6:.1f} | {fewer} | {r['param_sum']:.0f} |")
+                     f"| {gap} | {vs1} | {r['syncs']} | {r['bytes'] / 1e6:.1f} | {fewer} | {r['param_sum']:.0f} "
+                     f"| {r['best_mean']:.4f}; {'/'.join(map(str, r['best_steps']))} "
+                     f"| {'-' if r['best_gap_mean'] is None else format(r['best_gap_mean'], '+.2f') + '%'} |")
     return "\n".join(lines)
 
 
@@ -239,6 +258,21 @@ def plot(tag: str, cell: Dict, path: str, keep=None) -> str:
     return _plot.save(fig, path, title, dpi=100)
 
 
+def adaptive_verdict(cell: Dict):
+    """``localsgd-auto`` against the cell's fixed K (compare_convergence's seed-mean table and verdict)."""
+    import compare_convergence as cc
+    names = [n for n in cell["runs"] if n.startswith("localsgd-k")] + ["localsgd-auto"]
+    runs = [{"name": "auto" if n.endswith("auto") else n, "label": n, "k": "auto" if n.endswith("auto") else 0}
+            for n in names]
+    seeds = sorted({r["seed"] for r in cell["runs"]["localsgd-auto"]})
+    per_seed = [[{"final": next(r for r in cell["runs"][n] if r["seed"] == s)["final"],
+                  "curve": [{"sync_every": p.get("k")} for p in
+                            next(r for r in cell["runs"][n] if r["seed"] == s)["curve"]]} for n in names]
+                for s in seeds]
+    text, _, verdict = cc.adaptive_summary(runs, per_seed, seeds)
+    return text, verdict
+
+
 def report(out_dir: str, fig_dir: str = None) -> str:
     cells_ = load(out_dir)
     if not cells_:
@@ -248,6 +282,10 @@ def report(out_dir: str, fig_dir: str = None) -> str:
         rows = summarize(cells_[tag])
         summary[tag] = rows
         parts.append(markdown(tag, cells_[tag], rows))
+        if "localsgd-auto" in cells_[tag]["runs"]:
+            text, verdict = adaptive_verdict(cells_[tag])
+            parts += ["", text]
+            summary[tag + ":auto"] = verdict
         png = plot(tag, cells_[tag], os.path.join(fig_dir or out_dir, f"study_{tag}.png"))
         if png:
             parts.append(f"\n![{tag}]({os.path.relpath(png, ROOT)})")

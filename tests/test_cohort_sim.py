@@ -1,0 +1,43 @@
+"""tools/cohort_sim.py, the convergence study's simulator: a stopped and resumed run equals an unbroken one,
+and its ``localsgd-auto`` follows the library's rule within its bounds."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIM = os.path.join(ROOT, "tools", "cohort_sim.py")
+TINY = ["--d-model", "16", "--heads", "2", "--layers", "1", "--context", "16", "--batch-size", "4",
+        "--eval-batches", "2", "--corpus-mb", "0.2", "--steps", "60", "--eval-every", "20", "--seeds", "0,1",
+        "--methods", "allreduce,localsgd-k8,localsgd-auto,diloco-h8", "--device", "cpu", "--threads", "1"]
+
+
+def _sim(tmp_path, name, *extra):
+    out = tmp_path / f"{name}.json"
+    subprocess.run([sys.executable, SIM, *TINY, *extra, "--json", str(out)], check=True, timeout=240,
+                   capture_output=True, text=True)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(600)
+def test_a_run_stopped_and_resumed_from_its_state_equals_an_unbroken_run(tmp_path):
+    whole = _sim(tmp_path, "whole")
+    state = tmp_path / "state.pt"
+    first = _sim(tmp_path, "first", "--time-limit", "0.2", "--state", str(state))
+    assert first["config"]["partial"] and state.exists()
+    stopped_at = first["runs"][0]["curve"][-1]["step"]
+    assert stopped_at < 60
+    rest = _sim(tmp_path, "rest", "--state", str(state))
+    for a, b in zip(whole["runs"], rest["runs"]):
+        assert [p["val_loss"] for p in a["curve"]] == [p["val_loss"] for p in b["curve"]], a["name"]
+        assert (a["syncs"], a["bytes"], a["ks"]) == (b["syncs"], b["bytes"], b["ks"])
+    auto = [r for r in whole["runs"] if r["name"] == "localsgd-auto"]
+    for r in auto:   # the library's AdaptiveSync: K starts at 16, moves at most 2x per sync, in [2, 256]
+        ks = [16] + [k for _, k in r["ks"]]
+        assert all(2 <= k <= 256 for k in ks)
+        assert all(b <= 2 * a and a <= 2 * b for a, b in zip(ks, ks[1:]))
+        assert len(set(ks)) > 1
+        steps = [s for s, _ in r["ks"]]
+        assert all(s1 - s0 == k for (s0, k), s1 in zip(r["ks"], steps[1:]) if s1 != 60)

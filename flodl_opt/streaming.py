@@ -38,6 +38,7 @@ Example (2 ranks, ``torchrun --nproc-per-node 2 train.py``)::
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -365,7 +366,8 @@ class StreamingSync:
         steps = sum(r[2] for r in self._round) / len(self._round) if self._round else 0
         mine = math.sqrt(diff / post) if post > 0.0 else None
         self._round = []
-        drift = share_drift(mine, steps, stats, self.group, self.distributed, self.comm_device, self.rank)
+        with self.waiting(stats.sync) if self.waiting is not None else contextlib.nullcontext():
+            drift = share_drift(mine, steps, stats, self.group, self.distributed, self.comm_device, self.rank)
         k = round_period(self.auto.next_period(drift), self.auto, self.schedule.parts, self.schedule.tau)
         self.auto.every = k
         self.schedule.set_period(k)

@@ -590,18 +590,19 @@ def _launch_script(tmp_path, source, args, timeout=240):
     script = tmp_path / "script.py"
     script.write_text(_RESULT + textwrap.dedent(source))
     out = run_launcher([sys.executable, *args(str(script))], launcher_env(), cwd=str(tmp_path), timeout=timeout)
-    lines = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    # one file per rank: the ranks' stdout and stderr interleave in the launcher's output
+    lines = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("result_rank*.json"))]
     assert sorted(r["rank"] for r in lines) == [0, 1], out[-4000:]
     return sorted(lines, key=lambda r: r["rank"])
 
 
 _RESULT = '''
 def result(opt, params):
-    import json, torch.distributed as dist
-    print("RESULT " + json.dumps({
-        "rank": dist.get_rank(), "bridge": type(opt._ddp).__name__, "syncs": opt.sync_count,
-        "steps": opt.local_steps, "divergence": opt.last_sync.divergence,
-        "checksum": repr(sum(float(p.double().sum()) for p in params))}), flush=True)
+    import json, os, torch.distributed as dist
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"result_rank{dist.get_rank()}.json"), "w") as fh:
+        json.dump({"rank": dist.get_rank(), "bridge": type(opt._ddp).__name__, "syncs": opt.sync_count,
+                   "steps": opt.local_steps, "divergence": opt.last_sync.divergence,
+                   "checksum": repr(sum(float(p.double().sum()) for p in params))}, fh)
 '''
 
 

@@ -428,11 +428,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
     def _run_consensus(self, steps: int, sync_number: int, active: bool) -> SyncStats:
         """The consensus, under the stall watchdog, with the reliability checks around it."""
         self._check_model_params()
-        if self._stall is None:
+        with self._waiting(sync_number):
             stats = self._consensus.run(steps, sync_number, active=active)
-        else:
-            with self._stall.waiting(sync_number):
-                stats = self._consensus.run(steps, sync_number, active=active)
         if stats.nonfinite:
             self._reset_nonfinite_inner_state(sync_number)
         return stats

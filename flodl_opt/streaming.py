@@ -291,7 +291,9 @@ class StreamingSync:
         self.distributed = world_size > 1
         self.gamma, self.nonfinite_guard, self.readout = gamma, nonfinite_guard, readout
         self.gloo_chunk_bytes = gloo_chunk_bytes
-        self.inner_lr, self.on_nonfinite, self.waiting = inner_lr, on_nonfinite, waiting
+        self.inner_lr, self.on_nonfinite = inner_lr, on_nonfinite
+        # every wait on the cohort runs inside this (the optimizer's stall watchdog)
+        self.waiting = waiting if waiting is not None else (lambda sync: contextlib.nullcontext())
         dev = param_groups[0].device if param_groups else torch.device("cpu")
         self.comm_device = dev if backend == "nccl" else torch.device("cpu")
         # Persistent per-fragment buffers (float32 for narrow dtypes): ``sent`` the snapshot,
@@ -366,7 +368,7 @@ class StreamingSync:
         steps = sum(r[2] for r in self._round) / len(self._round) if self._round else 0
         mine = math.sqrt(diff / post) if post > 0.0 else None
         self._round = []
-        with self.waiting(stats.sync) if self.waiting is not None else contextlib.nullcontext():
+        with self.waiting(stats.sync):
             drift = share_drift(mine, steps, stats, self.group, self.distributed, self.comm_device, self.rank)
         k = round_period(self.auto.next_period(drift), self.auto, self.schedule.parts, self.schedule.tau)
         self.auto.every = k
@@ -446,13 +448,9 @@ class StreamingSync:
 
     # -------------------------------------------------------------- wait / merge
     def _wait(self, f: _Flight) -> None:
-        if self.waiting is None:
+        with self.waiting(f.sync):
             for w in f.works:
                 w.wait()
-        else:
-            with self.waiting(f.sync):
-                for w in f.works:
-                    w.wait()
         f.works, f.done = [], True
 
     def _fail(self, f: _Flight, exc: BaseException) -> None:

@@ -144,7 +144,6 @@ class Batched:
         self.leaves = {n: self.flat.detach()[:, o:o + math.prod(s)].view(self.R, *s).requires_grad_(True)
                        for n, o, s in zip(self.names, self.offsets, self.shapes)}
         self.layers = sum(1 for n in self.names if n.endswith("ln1.weight"))
-        self.amp = False      # bf16 autocast of the forward and backward (fp32 params and AdamW)
         self.onehot = False   # token lookup as a one-hot matmul: no scatter-add in the backward
 
     def views(self) -> Dict[str, torch.Tensor]:
@@ -156,17 +155,13 @@ class Batched:
         if self.flat.grad is None:
             self.flat.grad = torch.zeros_like(self.flat)
         grad = self.flat.grad
-        for (n, leaf), o in zip(self.leaves.items(), self.offsets):
+        for leaf, o in zip(self.leaves.values(), self.offsets):
             grad[:, o:o + leaf[0].numel()].copy_(leaf.grad.view(self.R, -1))
             leaf.grad = None
         return grad
 
     def losses(self, x: torch.Tensor, y: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-replica mean cross-entropy; ``x``, ``y``: ``[R', B, T]`` for replicas ``rows``."""
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            return self._losses(x, y, rows)
-
-    def _losses(self, x: torch.Tensor, y: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
         P = self.views()
         if rows is not None:
             P = {k: v[rows] for k, v in P.items()}
@@ -229,7 +224,7 @@ def simulate(args) -> Dict:
             models += [model] * m
             groups.append(g)
     net = Batched(models, args.heads, dev)
-    net.amp, net.onehot = args.amp == "bf16", args.onehot
+    net.onehot = args.onehot
     R, N = net.R, net.numel
     flat = net.flat
     print(f"cohort_sim: {len(groups)} runs, {R} replicas of {net.n_params / 1e6:.2f}M params on {dev}, "
@@ -413,8 +408,6 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=64)
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--eval-chunk", type=int, default=32, help="replicas per validation forward")
-    p.add_argument("--amp", choices=("none", "bf16"), default="none",
-                   help="bf16 autocast of the forward/backward (params, AdamW and the syncs stay fp32)")
     p.add_argument("--onehot", action="store_true", help="token lookup as a one-hot matmul (faster backward on GPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

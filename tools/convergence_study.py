@@ -265,10 +265,9 @@ def adaptive_verdict(cell: Dict):
     runs = [{"name": "auto" if n.endswith("auto") else n, "label": n, "k": "auto" if n.endswith("auto") else 0}
             for n in names]
     seeds = sorted({r["seed"] for r in cell["runs"]["localsgd-auto"]})
-    per_seed = [[{"final": next(r for r in cell["runs"][n] if r["seed"] == s)["final"],
-                  "curve": [{"sync_every": p.get("k")} for p in
-                            next(r for r in cell["runs"][n] if r["seed"] == s)["curve"]]} for n in names]
-                for s in seeds]
+    run = {(n, r["seed"]): r for n in names for r in cell["runs"][n]}
+    per_seed = [[{"final": run[n, s]["final"], "curve": [{"sync_every": p.get("k")} for p in run[n, s]["curve"]]}
+                 for n in names] for s in seeds]
     text, _, verdict = cc.adaptive_summary(runs, per_seed, seeds)
     return text, verdict
 

@@ -95,6 +95,24 @@ def cells(plan: str) -> List[Dict]:
     if plan == "big16k":   # the 4.8M model to the end of 16k steps: one process, 3 seeds (~8 min on an H200)
         cell("big-r2-s16384", BIG, 2, 16384, ["allreduce", "localsgd-k16", "diloco-h64"],
              ["--eval-chunk", "32", "--onehot"])
+    # 16k steps on the whole stdlib (~28 MB of training text: 2-4 passes over it, not 37-74).
+    # One cell at a time: cells side by side on one GPU ran 3-7x slower each (2.2-3.4 min alone).
+    wide = ["--corpus-mb", "40", "--eval-every", "512"]
+    if plan == "wide16k":
+        cell("wide-r2-s16384", DEMO, 2, 16384, ["allreduce", "localsgd-k16", "diloco-h64", "one-rank"], wide)
+        cell("wide-r4-s16384", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "diloco-h64", "diloco-h256",
+                                                "one-rank"], wide)
+        # remedies for 4 ranks: as many samples between syncs as K=16 / H=64 at 2 ranks, a larger outer lr
+        cell("wide-r4-s16384-b", DEMO, 4, 16384, ["localsgd-k8", "diloco-h32", "diloco-h64-lr1.0-m0.5-ow8"], wide)
+    if plan == "wide16k-grid":   # every method; ran 2 cells side by side and was cut at 8192 / 5120 steps
+        grid = base_methods(16384) + ["diloco-h16", "diloco-h64", "diloco-h256", "diloco-h64-lr1.0-m0"]
+        cell("wide-r2-s16384", DEMO, 2, 16384, grid, wide)
+        cell("wide-r4-s16384", DEMO, 4, 16384, grid, wide)
+    if plan == "big16k-wide":   # the 4.8M model on the whole stdlib; its one-rank floor on the 2 MB corpus (-b: merges with big16k)
+        wide = ["--corpus-mb", "40", "--eval-every", "512", "--eval-chunk", "32", "--onehot"]
+        cell("bigwide-r2-s16384", BIG, 2, 16384, ["allreduce", "localsgd-k16", "diloco-h64"], wide)
+        cell("bigwide-r2-s16384-b", BIG, 2, 16384, ["one-rank"], wide)
+        cell("big-r2-s16384-b", BIG, 2, 16384, ["one-rank"], ["--eval-chunk", "32", "--onehot"])
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])
@@ -109,8 +127,8 @@ def cells(plan: str) -> List[Dict]:
         cell("smoke-r2-s64", ["--d-model", "32", "--layers", "1", "--eval-batches", "2"], 2, 64,
              ["allreduce", "sync-k1", "localsgd-k16", "diloco-h16", "diloco-h16-paper", "one-rank"])
     if not out:
-        raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, big16k, auto-big, all "
-                         "or smoke")
+        raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, big16k, "
+                         "wide16k, wide16k-grid, big16k-wide, auto-big, all or smoke")
     return out
 
 

@@ -62,11 +62,22 @@ def _model(cfg, seed):
     return torch.nn.Sequential(*mods)
 
 
+def _bind(rank: int) -> None:
+    """Pin this rank's threads (Gloo's included: they exist once the group does) to one core each,
+    as ``mpirun --bind-to core`` does, so the OS cannot move a rank onto its peer's core."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = {cores[rank % len(cores)]}
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), core)
+
+
 def worker(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
     import flodl_opt as flo
     torch.set_num_threads(cfg["threads"])
+    if cfg.get("bind"):
+        _bind(rank)
     cuda = cfg["device"] == "cuda"
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
@@ -221,13 +232,15 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--ranks", type=int, default=2, help="ranks (nccl on one GPU: 1)")
+    p.add_argument("--bind", action="store_true",
+                   help="pin rank r and its threads to core r (as mpirun --bind-to core; Linux)")
     p.add_argument("--json", default="bench_overlap.json")
     p.add_argument("--plot", default=None, help="write a PNG of the ratios (needs matplotlib)")
     a = p.parse_args(argv)
     cfg = {k: getattr(a, k) for k in ("width", "layers", "inputs", "batch", "sync_every", "fragments",
                                       "overlap_steps", "overlap_full", "outer", "steps", "reps",
                                       "warmup", "raw_reps", "threads", "json", "device", "backend",
-                                      "ranks")}
+                                      "ranks", "bind")}
     if a.backend == "nccl" and a.device != "cuda":
         p.error("--backend nccl needs --device cuda")
     results = bc.spawn(worker, a.ranks, cfg, backend=a.backend)

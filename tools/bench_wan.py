@@ -59,7 +59,7 @@ collectives (``SyncStats.bytes``; for DDP and distopt the gradient bytes x steps
 
 Output: a table per rate on stdout, ``--json`` (``{rate: {method: {"time_to_target_s",
 "final_loss", "loss_at_ddp_time", "bytes_per_rank", "wall_s", ...}}}``) and a plot of validation
-loss against wall-clock seconds, one panel per rate (``--plot``, default docs/wan_time_to_loss.png;
+loss against wall-clock seconds, one panel per rate (``--plot``, default: the ``--json`` path with .png;
 needs matplotlib, the ``plot`` extra; skipped with a message otherwise).
 
 Needs root (network namespaces, tc). Everything it creates is named ``flwan<pid>-...`` and lives in
@@ -629,7 +629,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=512, help="DDP's steps (the others' minimum)")
     p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--plot", default=os.path.join(ROOT, "docs", "wan_time_to_loss.png"))
+    p.add_argument("--plot", default=None,
+                   help="PNG path (default: beside --json or --replot, same name; else ./wan_time_to_loss.png)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--replot", default=None, metavar="JSON", help="table + plot from an earlier --json; no runs")
     p.add_argument("--target-factor", type=float, default=1.01, help="target = DDP's final loss x this")
@@ -650,7 +651,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tbf latency: the shaper queues this many ms at the rate, drops beyond")
     p.add_argument("--link-seconds", type=float, default=1.5, help="duration of each link probe")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.plot is None:  # beside the results, so a quick run cannot overwrite the committed figure
+        src = args.json or args.replot
+        args.plot = os.path.splitext(src)[0] + ".png" if src else "wan_time_to_loss.png"
+    return args
 
 
 def main(argv=None) -> int:

@@ -78,3 +78,23 @@ def test_shaped_link_and_identical_ranks(tmp_path):
     assert 2 * grad_bytes <= row["sync_bytes_per_rank"] < 2 * grad_bytes + 4096
     assert 2 * grad_bytes * 0.95 <= row["bytes_per_rank"] < 2 * grad_bytes * 1.5
     assert _own_namespaces() <= before  # everything it made is gone
+
+
+def test_streaming_row_stopped_at_the_target_ends_identical(tmp_path):
+    """A run that stops at its target stops between fragment syncs: the ranks must still end equal."""
+    reason = _namespaces_unavailable()
+    if reason:
+        pytest.skip(reason)
+    before = _own_namespaces()
+    out = tmp_path / "wan.json"
+    # A target every evaluation meets: the run stops at the first one at or past --steps.
+    cmd = [sys.executable, TOOL, "--rates", "1gbit", "--methods", "localsgd-k16-stream", "--steps", "24",
+           "--eval-every", "16", "--eval-batches", "2", "--link-seconds", "1", "--run-timeout", "120",
+           "--target-loss", "100", "--json", str(out), "--no-plot"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    row = json.loads(out.read_text())["1gbit"]["localsgd-k16-stream"]
+    assert row["stop"] == "target" and row["steps"] == 32, (row["stop"], row["steps"])
+    hashes = row["param_sha256"]
+    assert len(hashes) == 2 and hashes[0] == hashes[1], hashes
+    assert _own_namespaces() <= before

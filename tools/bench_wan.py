@@ -291,6 +291,10 @@ def worker(cfg: Dict[str, Any]) -> None:
                 f"| {elapsed:.0f} s | ETA {eta:.0f} s | {tail}", flush=True)
     wall = slowest(time.perf_counter() - t0 - excluded)
     tx = read_tx(cfg["ifname"]) - tx0 - tx_excluded
+    if kind == "local" and not last and (opt.steps_since_sync > 0 or streaming):
+        # Stopped at the target or the wall cap between syncs (streaming: fragments merged at
+        # different steps): end on the consensus, after the clock, so every rank holds the same model.
+        opt.sync()
     h = hashlib.sha256()
     with torch.no_grad():
         for p in params:

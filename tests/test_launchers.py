@@ -1,7 +1,8 @@
 """The examples under the launchers users already have: Open MPI's mpirun and torchrun.
 
 mpirun starts the Horovod example (DistributedOptimizer), torchrun the DDP script switched to local
-SGD; both launches cost a few seconds of process start-up each, so there are just these two.
+SGD; both launches cost a few seconds of process start-up each, so there are just these two (and
+a short script launched 4 times that checks the ranks exit cleanly right after their last collective).
 
 Each launch starts 2 real processes that find each other from the launcher's environment alone
 (flodl_opt.init / torch.distributed.init_process_group), train on different data shards, and print
@@ -78,3 +79,32 @@ def test_multi_node_slurm_without_ntasks_per_node_does_not_assume_one_node(monke
     monkeypatch.setenv("SLURM_NNODES", "1")  # one node: loopback and a port from the job id
     launch._rendezvous_env(info)
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and 20000 <= int(os.environ["MASTER_PORT"]) < 40000
+
+
+EXIT_RACE = '''
+import torch, torch.distributed as dist
+import flodl_opt as flo
+flo.init()
+held = dist.group.WORLD  # as an optimizer does: the group outlives destroy_process_group
+for _ in range(20):
+    dist.all_reduce(torch.ones(1000))  # a temporary: Gloo's worker holds its last reference
+flo.shutdown()
+print("exits cleanly", flush=True)
+'''
+
+
+def test_ranks_exit_cleanly_right_after_their_last_collective(tmp_path):
+    """Gloo's worker threads must not be left needing the GIL when the interpreter finalizes:
+    without flodl_opt's exit grace this script aborted (signal 6) in 8 of 10 mpirun launches."""
+    script = tmp_path / "exit_race.py"
+    script.write_text(EXIT_RACE)
+    if shutil.which("mpirun"):
+        local = [] if shutil.which("ssh") or shutil.which("rsh") else ["--mca", "plm", "isolated"]
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", *local,
+               "-x", "MASTER_PORT", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", sys.executable, str(script)]
+    else:  # torchrun: the abort came in 2 of 5 launches
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(script)]
+    for _ in range(4):
+        out = run_launcher(cmd, launcher_env(), timeout=120)
+        assert out.count("exits cleanly") == 2, out[-2000:]

@@ -46,20 +46,25 @@ def test_unknown_method_lists_the_valid_ones():
     assert "nope" in r.stderr and "localsgd-k16" in r.stderr and "diloco-h64" in r.stderr
 
 
-@pytest.mark.timeout(300)
-def test_shaped_link_and_identical_ranks(tmp_path):
+def _run_wan(tmp_path, *args: str) -> dict:
+    """The tool's JSON for a short run (skipped where namespaces cannot be made); it left nothing behind."""
     reason = _namespaces_unavailable()
     if reason:
         pytest.skip(reason)
     before = _own_namespaces()
     out = tmp_path / "wan.json"
-    # One method and no anchor: no target, so it runs exactly --steps (the quickest mode).
-    cmd = [sys.executable, TOOL, "--rates", "100mbit", "--methods", "localsgd-k16", "--steps", "32",
-           "--eval-every", "16", "--eval-batches", "2", "--link-seconds", "1", "--run-timeout", "120",
-           "--json", str(out), "--no-plot"]
+    cmd = [sys.executable, TOOL, *args, "--eval-every", "16", "--eval-batches", "2", "--link-seconds", "1",
+           "--run-timeout", "120", "--json", str(out), "--no-plot"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=_env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    assert _own_namespaces() <= before  # everything it made is gone
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_shaped_link_and_identical_ranks(tmp_path):
+    # One method and no anchor: no target, so it runs exactly --steps (the quickest mode).
+    res = _run_wan(tmp_path, "--rates", "100mbit", "--methods", "localsgd-k16", "--steps", "32")
     assert list(res) == ["100mbit"] and list(res["100mbit"]) == ["localsgd-k16"]
     row = res["100mbit"]["localsgd-k16"]
     link = row["link"]
@@ -77,24 +82,15 @@ def test_shaped_link_and_identical_ranks(tmp_path):
     grad_bytes = row["params"] * 4
     assert 2 * grad_bytes <= row["sync_bytes_per_rank"] < 2 * grad_bytes + 4096
     assert 2 * grad_bytes * 0.95 <= row["bytes_per_rank"] < 2 * grad_bytes * 1.5
-    assert _own_namespaces() <= before  # everything it made is gone
 
 
+@pytest.mark.timeout(300)
 def test_streaming_row_stopped_at_the_target_ends_identical(tmp_path):
     """A run that stops at its target stops between fragment syncs: the ranks must still end equal."""
-    reason = _namespaces_unavailable()
-    if reason:
-        pytest.skip(reason)
-    before = _own_namespaces()
-    out = tmp_path / "wan.json"
     # A target every evaluation meets: the run stops at the first one at or past --steps.
-    cmd = [sys.executable, TOOL, "--rates", "1gbit", "--methods", "localsgd-k16-stream", "--steps", "24",
-           "--eval-every", "16", "--eval-batches", "2", "--link-seconds", "1", "--run-timeout", "120",
-           "--target-loss", "100", "--json", str(out), "--no-plot"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=_env())
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    row = json.loads(out.read_text())["1gbit"]["localsgd-k16-stream"]
+    res = _run_wan(tmp_path, "--rates", "1gbit", "--methods", "localsgd-k16-stream", "--steps", "24",
+                   "--target-loss", "100")
+    row = res["1gbit"]["localsgd-k16-stream"]
     assert row["stop"] == "target" and row["steps"] == 32, (row["stop"], row["steps"])
     hashes = row["param_sha256"]
     assert len(hashes) == 2 and hashes[0] == hashes[1], hashes
-    assert _own_namespaces() <= before

@@ -60,7 +60,6 @@ class _World:
 
 _world: Optional[_World] = None
 _EXIT_GRACE_S = 0.1
-_exit_grace_registered = False
 
 
 def _exit_grace() -> None:
@@ -68,19 +67,12 @@ def _exit_grace() -> None:
 
     A Gloo worker thread frees a finished collective's tensors just after the caller's ``wait()``
     returns, and needs the GIL for that when it holds the last reference to a Python tensor (a
-    temporary passed to ``all_reduce``). The group outlives ``destroy_process_group`` while an optimizer still
-    holds it, so its threads run on into finalization; one that asks for the GIL then is ended
-    inside C++ and the process aborts ("terminate called without an active exception", signal 6)
-    after all its work is done. atexit handlers run before finalization starts.
+    temporary passed to ``all_reduce``). The group outlives ``destroy_process_group`` while an
+    optimizer still holds it, so its threads run on into finalization; one that asks for the GIL
+    then is ended inside C++ and the process aborts ("terminate called without an active
+    exception", signal 6) after all its work is done. atexit handlers run before finalization.
     """
     time.sleep(_EXIT_GRACE_S)
-
-
-def _register_exit_grace() -> None:
-    global _exit_grace_registered
-    if not _exit_grace_registered:
-        atexit.register(_exit_grace)
-        _exit_grace_registered = True
 
 
 def _int(env, name: str, default: Optional[int] = None) -> int:
@@ -230,7 +222,9 @@ def init(backend: Optional[str] = None, timeout: Optional[datetime.timedelta] = 
             dist.init_process_group(backend, init_method="env://", rank=info.rank,
                                     world_size=info.size, timeout=timeout or DEFAULT_TIMEOUT)
     if backend == "gloo" and info.size > 1:
-        _register_exit_grace()  # whoever made the group: the optimizers hold it (see _exit_grace)
+        # whoever made the group: the optimizers hold it (see _exit_grace); once per process
+        atexit.unregister(_exit_grace)
+        atexit.register(_exit_grace)
     _world = _World(info, backend, device, owns)
 
 

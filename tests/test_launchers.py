@@ -34,15 +34,18 @@ def _ranks(out):
 MNIST = ["examples/horovod_mnist.py", "--epochs", "1", "--train-samples", "512", "--test-samples", "256"]
 
 
+def _mpirun(*argv: str) -> list:
+    """2 local ranks of ``python argv...`` under Open MPI, with the test's port, threads and path."""
+    # one node needs no remote shell; without ssh/rsh Open MPI's default launcher refuses to start
+    local = [] if shutil.which("ssh") or shutil.which("rsh") else ["--mca", "plm", "isolated"]
+    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", *local,
+            "-x", "MASTER_PORT", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", sys.executable, *argv]
+
+
 def test_mpirun_runs_the_horovod_example():
     if shutil.which("mpirun") is None:
         pytest.skip("mpirun not found: install Open MPI (Debian: apt-get install openmpi-bin)")
-    env = launcher_env()
-    # one node needs no remote shell; without ssh/rsh Open MPI's default launcher refuses to start
-    local = [] if shutil.which("ssh") or shutil.which("rsh") else ["--mca", "plm", "isolated"]
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", *local,
-           "-x", "MASTER_PORT", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", sys.executable] + MNIST
-    ranks = _ranks(run_launcher(cmd, env, timeout=TIMEOUT_S))
+    ranks = _ranks(run_launcher(_mpirun(*MNIST), launcher_env(), timeout=TIMEOUT_S))
     assert {w for w, _, _ in ranks.values()} == {2}
     assert {launcher for _, launcher, _ in ranks.values()} == {"openmpi"}
     assert ranks[0][2] == ranks[1][2]  # DistributedOptimizer kept both ranks identical
@@ -99,9 +102,7 @@ def test_ranks_exit_cleanly_right_after_their_last_collective(tmp_path):
     script = tmp_path / "exit_race.py"
     script.write_text(EXIT_RACE)
     if shutil.which("mpirun"):
-        local = [] if shutil.which("ssh") or shutil.which("rsh") else ["--mca", "plm", "isolated"]
-        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", *local,
-               "-x", "MASTER_PORT", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", sys.executable, str(script)]
+        cmd = _mpirun(str(script))
     else:  # torchrun: the abort came in 2 of 5 launches
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(script)]

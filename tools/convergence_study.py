@@ -108,11 +108,11 @@ def cells(plan: str) -> List[Dict]:
         grid = base_methods(16384) + ["diloco-h16", "diloco-h64", "diloco-h256", "diloco-h64-lr1.0-m0"]
         cell("wide-r2-s16384", DEMO, 2, 16384, grid, wide)
         cell("wide-r4-s16384", DEMO, 4, 16384, grid, wide)
-    if plan == "big16k-wide":   # the 4.8M model on the whole stdlib; its one-rank floor on the 2 MB corpus (-b: merges with big16k)
-        wide = ["--corpus-mb", "40", "--eval-every", "512", "--eval-chunk", "32", "--onehot"]
-        cell("bigwide-r2-s16384", BIG, 2, 16384, ["allreduce", "localsgd-k16", "diloco-h64"], wide)
-        cell("bigwide-r2-s16384-b", BIG, 2, 16384, ["one-rank"], wide)
-        cell("big-r2-s16384-b", BIG, 2, 16384, ["one-rank"], ["--eval-chunk", "32", "--onehot"])
+    if plan == "big16k-wide":   # the 4.8M model on the whole stdlib; its one-rank floor on the 2 MB
+        big = ["--eval-chunk", "32", "--onehot"]   # corpus too (-b: merges with big16k's cell)
+        cell("bigwide-r2-s16384", BIG, 2, 16384, ["allreduce", "localsgd-k16", "diloco-h64"], wide + big)
+        cell("bigwide-r2-s16384-b", BIG, 2, 16384, ["one-rank"], wide + big)
+        cell("big-r2-s16384-b", BIG, 2, 16384, ["one-rank"], big)
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])

@@ -170,7 +170,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self._check_same_everywhere()
             if broadcast_initial:
                 self._broadcast_from_root(inner_model)
-        self.outer.setup(self._param_groups_flat)
+        self.outer.setup(self._param_groups_flat, group_size)
         if self._wire is not None:  # shares the outer optimizer's anchor when it keeps one
             self._wire.bind(self._param_groups_flat, self.outer.anchor if self.outer.needs_anchor else None,
                             group_size, self._rank, process_group)

@@ -76,14 +76,17 @@ CASES = {
 }
 
 
-def rank_outer_reference(rank, world, case):
-    make, cfg = CASES[case]
+def rank_outer_reference(rank, world, case, table=STEPS, cfg=None):
+    make, case_cfg = CASES[case]
+    cfg = cfg or case_cfg
     name = case.split("_")[0]
     p, opt = _make(make())
+    if name == "diloco":
+        assert opt.outer.lr == cfg["lr"] and opt.outer.config()["lr"] == cfg["lr"]
     centers = _centers(world)
     anchor = p.detach().double().numpy().copy()      # the broadcast start is the first anchor
     mom = np.zeros(DIM)
-    for window, steps in enumerate(STEPS):
+    for window, steps in enumerate(table):
         _local_steps(p, opt, centers[rank], steps[rank])
         pre = gather_object(p.detach().double().numpy().copy())
         want, anchor, mom = _reference_step(name, cfg, pre, steps, anchor, mom, rank, window)
@@ -92,7 +95,7 @@ def rank_outer_reference(rank, world, case):
                                    err_msg=f"{case}: window {window}")
         assert stats.outer == (None if name == "avg" else name)
     finals = gather_object(p.detach().clone())
-    return bool(torch.equal(finals[0], finals[1]))
+    return all(torch.equal(finals[0], f) for f in finals[1:])
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -100,6 +103,30 @@ def test_outer_matches_float64_reference_over_syncs(case):
     identical = run_ranks(rank_outer_reference, 2, case, timeout=60)
     # replicated outers keep ranks identical; EASGD keeps each rank's drift by design
     assert identical == [case != "easgd"] * 2
+
+
+STEPS_4 = [(3, 3, 1, 2), (2, 5, 0, 4), (4, 1, 3, 3), (0, 3, 2, 1), (3, 2, 5, 1)]
+
+
+@pytest.mark.parametrize("world,lr", [(3, 0.85), (4, 1.0)])
+def test_default_diloco_outer_lr_follows_the_number_of_ranks(world, lr):
+    """``DiLoCo()`` resolves its outer lr from the group size (0.7 at 2 ranks: the case above)."""
+    cfg = dict(CASES["diloco"][1], lr=lr)
+    assert run_ranks(rank_outer_reference, world, "diloco", [s[:world] for s in STEPS_4], cfg,
+                     timeout=90) == [True] * world
+
+
+def test_default_outer_lr_table_and_explicit_lr_wins():
+    assert [flo.DiLoCo.default_lr(m) for m in (1, 2, 3, 4, 8, 64)] == [0.7, 0.7, 0.85, 1.0, 1.0, 1.0]
+    d = flo.DiLoCo()
+    assert d.lr == 0.7 and d.lr_by_ranks            # before setup: the 1-2 rank value
+    explicit = flo.DiLoCo(lr=0.7)
+    explicit.setup([], world_size=4)
+    assert explicit.lr == 0.7 and not explicit.lr_by_ranks
+    d.setup([], world_size=4)
+    assert d.lr == 1.0 and d.coefficients(9) == (1.0, 0.5)
+    with pytest.raises(flo.ConfigError, match="world_size"):
+        flo.DiLoCo.default_lr(0)
 
 
 def rank_pseudo_gradient_sign(rank, world):

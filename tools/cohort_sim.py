@@ -257,7 +257,7 @@ def simulate(args) -> Dict:
                  outer_obj=build_outer(g), pg_norm=None, outer_syncs=0,
                  auto_obj=flo.AdaptiveSync(**g["auto"]) if g["auto"] is not None else None, ks=[])
         if g["outer_obj"] is not None:
-            g["outer_obj"].setup([_Group(flat.detach()[g["start"]].clone())])
+            g["outer_obj"].setup([_Group(flat.detach()[g["start"]].clone())], g["ranks"])  # DiLoCo(): lr by M
 
     @torch.no_grad()
     def evaluate(step: int, t0: float) -> None:

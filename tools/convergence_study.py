@@ -113,6 +113,15 @@ def cells(plan: str) -> List[Dict]:
         cell("bigwide-r2-s16384", BIG, 2, 16384, ["allreduce", "localsgd-k16", "diloco-h64"], wide + big)
         cell("bigwide-r2-s16384-b", BIG, 2, 16384, ["one-rank"], wide + big)
         cell("big-r2-s16384-b", BIG, 2, 16384, ["one-rank"], big)
+    if plan == "wide16k-r4":   # the 4-rank misses above: more seeds for the outer-lr remedy, K=1 (is the
+        # gap the sync period at all?), and the 4.8M model at 4 ranks, one seed per process (~7 min each)
+        cell("wide-r4-s16384-p3", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "diloco-h64",
+                                                   "diloco-h64-lr1.0-m0.5-ow8", "sync-k1"],
+             wide + ["--seeds", "300,400,500"])
+        for i, seed in enumerate(SEEDS.split(",")):
+            cell(f"bigwide-r4-s16384-p{i}", BIG, 4, 16384, ["allreduce", "localsgd-k16", "diloco-h64",
+                                                            "diloco-h64-lr1.0-m0.5-ow8"],
+                 wide + ["--eval-chunk", "32", "--onehot", "--seeds", seed])
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])
@@ -128,7 +137,7 @@ def cells(plan: str) -> List[Dict]:
              ["allreduce", "sync-k1", "localsgd-k16", "diloco-h16", "diloco-h16-paper", "one-rank"])
     if not out:
         raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, big16k, "
-                         "wide16k, wide16k-grid, big16k-wide, auto-big, all or smoke")
+                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, auto-big, all or smoke")
     return out
 
 

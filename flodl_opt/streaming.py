@@ -507,30 +507,19 @@ class StreamingSync:
         n_params = len(frag.params)
         sent, buf = self._sent[f.fragment], self._buf[f.fragment]
         lives = self._live(frag)
+        outer_step = bool(self._outers) and not isinstance(self.outer, OuterAvg)
+        keep_steps = f.local_steps > 0 and not f.nonfinite  # else: exactly the blocking result
         with torch.no_grad():
-            post, diff = [], []
-            for k, b in enumerate(buf):  # consensus C = sum_i m_i S_i / sum_j m_j
-                b.div_(mass if k < n_params else movers)
-            if self.readout:
-                for s, b in zip(sent[:n_params], buf[:n_params]):
-                    blk = _block(b)
-                    for i in range(0, b.numel(), blk):
-                        j = min(b.numel(), i + blk)
-                        post.append(_sq(b[i:j]))
-                        diff.append(_sq(b[i:j] - s[i:j]))
-            if self._outers and not isinstance(self.outer, OuterAvg):
+            post: List[torch.Tensor] = []
+            diff: List[torch.Tensor] = []
+            if outer_step:  # C, its readout; then G = outer(C) over the whole fragment; then W
+                self._consensus_pass(buf, sent, mass, movers, n_params, post, diff)
                 self._outers[f.fragment].step([_Proxy(b) for b in buf[:n_params]], None,
                                               float(self.inner_lr()))
                 stats.outer = self.outer.name
-            for k, (live, s, b) in enumerate(zip(lives, sent, buf)):
-                if f.local_steps == 0 or f.nonfinite:
-                    live.copy_(b)  # no steps in flight (or NaN ones): exactly the blocking result
-                elif live.dtype in (torch.float32, torch.float64):
-                    torch.sub(b, s, out=s)  # G - S; the snapshot is spent
-                    live.add_(s)            # W <- W + (G - S)
-                else:
-                    torch.sub(b, s, out=s)
-                    live.copy_(s.add_(live))  # in float32, rounded once
+                self._apply_pass(lives, sent, buf, keep_steps)
+            else:           # G = C: one pass, block by block, while each block is in cache
+                self._consensus_pass(buf, sent, mass, movers, n_params, post, diff, lives, keep_steps)
         if self.readout and post:
             post_sq = float(torch.stack([q.double() for q in post]).sum())
             diff_sq = float(torch.stack([q.double() for q in diff]).sum())
@@ -543,6 +532,39 @@ class StreamingSync:
             self.on_nonfinite(f.sync)
         stats.ms = f.t_issue_ms + (time.perf_counter() - t0) * 1e3
         return stats
+
+    def _consensus_pass(self, buf, sent, mass, movers, n_params, post, diff, lives=None,
+                        keep_steps=False) -> None:
+        """``C = sum_i m_i S_i / sum_j m_j`` in ``buf``, with the readout's squares of ``C`` and
+        ``C - S``. Given ``lives`` (no outer step: ``G = C``) it also merges, in the same block."""
+        for k, (s, b) in enumerate(zip(sent, buf)):
+            param = k < n_params
+            blk = _block(b)
+            for i in range(0, b.numel(), blk):
+                j = min(b.numel(), i + blk)
+                bb, ss = b[i:j], s[i:j]
+                bb.div_(mass if param else movers)
+                if self.readout and param:
+                    post.append(_sq(bb))
+                if lives is None:
+                    if self.readout and param:
+                        diff.append(_sq(bb - ss))   # S is still needed after the outer step
+                    continue
+                torch.sub(bb, ss, out=ss)          # G - S; the snapshot is spent
+                if self.readout and param:
+                    diff.append(_sq(ss))
+                _merge_block(lives[k][i:j], ss, bb, keep_steps)
+
+    @staticmethod
+    def _apply_pass(lives, sent, buf, keep_steps: bool) -> None:
+        """``W <- W + (G - S)`` (or ``W <- G``), block by block."""
+        for live, s, b in zip(lives, sent, buf):
+            blk = _block(b)
+            for i in range(0, b.numel(), blk):
+                j = min(b.numel(), i + blk)
+                ss = s[i:j]
+                torch.sub(b[i:j], ss, out=ss)
+                _merge_block(live[i:j], ss, b[i:j], keep_steps)
 
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> Dict[str, Any]:
@@ -593,6 +615,16 @@ class StreamingSync:
         self.pending = _Flight(k, p["sync"], p["issued_at"], p["merge_at"], p["steps"], p["nonfinite"],
                                p["pre_sq"], p["count"].to(self.comm_device), [], 0.0,
                                local_steps=p["local_steps"], done=True)
+
+
+def _merge_block(live: torch.Tensor, g_minus_s: torch.Tensor, g: torch.Tensor, keep_steps: bool) -> None:
+    """One block of the delayed update: ``W <- W + (G - S)``, or ``W <- G`` when no steps count."""
+    if not keep_steps:
+        live.copy_(g)             # no steps in flight (or NaN ones): exactly the blocking result
+    elif live.dtype in (torch.float32, torch.float64):
+        live.add_(g_minus_s)
+    else:
+        live.copy_(g_minus_s.add_(live))  # in float32, rounded once
 
 
 def _rdt(t: torch.Tensor) -> torch.dtype:

@@ -263,8 +263,12 @@ def worker(cfg: Dict[str, Any]) -> None:
             sync_bytes += last_stats.bytes
         # "auto" periods: wait for a sync, but never more than 4 eval intervals.
         if last or (step >= next_eval and (synced() or step >= next_eval + 4 * eval_every)):
-            t_pause, tx_pause = time.perf_counter(), read_tx(cfg["ifname"])
+            t_pause = time.perf_counter()
             wall = slowest(t_pause - t0 - excluded)
+            # Read after that collective: the peer has then finished the sync and so received all
+            # of it; read before, the sync's tail still queued at the shaped link (up to the socket
+            # buffer) would be counted as evaluation traffic and left out.
+            tx_pause = read_tx(cfg["ifname"])
             v = val_loss()
             curve.append([step, wall, v])
             while next_eval <= step:

@@ -533,8 +533,9 @@ class StreamingSync:
         stats.ms = f.t_issue_ms + (time.perf_counter() - t0) * 1e3
         return stats
 
-    def _consensus_pass(self, buf, sent, mass, movers, n_params, post, diff, lives=None,
-                        keep_steps=False) -> None:
+    def _consensus_pass(self, buf: List[torch.Tensor], sent: List[torch.Tensor], mass: float, movers: float,
+                        n_params: int, post: List[torch.Tensor], diff: List[torch.Tensor],
+                        lives: Optional[List[torch.Tensor]] = None, keep_steps: bool = False) -> None:
         """``C = sum_i m_i S_i / sum_j m_j`` in ``buf``, with the readout's squares of ``C`` and
         ``C - S``. Given ``lives`` (no outer step: ``G = C``) it also merges, in the same block."""
         for k, (s, b) in enumerate(zip(sent, buf)):
@@ -556,7 +557,8 @@ class StreamingSync:
                 _merge_block(lives[k][i:j], ss, bb, keep_steps)
 
     @staticmethod
-    def _apply_pass(lives, sent, buf, keep_steps: bool) -> None:
+    def _apply_pass(lives: List[torch.Tensor], sent: List[torch.Tensor], buf: List[torch.Tensor],
+                    keep_steps: bool) -> None:
         """``W <- W + (G - S)`` (or ``W <- G``), block by block."""
         for live, s, b in zip(lives, sent, buf):
             blk = _block(b)

@@ -27,6 +27,7 @@ SIM = os.path.join(ROOT, "tools", "cohort_sim.py")
 SEEDS = "0,100,200"   # far apart: seed s uses data streams s + rank
 DEMO = []             # the demo model: train_charlm's defaults
 BIG = ["--d-model", "256", "--heads", "8", "--layers", "6"]   # 4.8M params, ~10x the demo
+BIG_FAST = ["--eval-chunk", "32", "--onehot"]   # the 4.8M model's sim options on a GPU (same numbers)
 
 
 def base_methods(steps: int) -> List[str]:
@@ -93,8 +94,7 @@ def cells(plan: str) -> List[Dict]:
             cell(f"demo-r4-s16384-p{i}", DEMO, 4, 16384, r4, ["--seeds", seed])
             cell(f"big-r2-s16384-p{i}", BIG, 2, 16384, big, ["--seeds", seed, "--eval-chunk", "8"])
     if plan == "big16k":   # the 4.8M model to the end of 16k steps: one process, 3 seeds (~8 min on an H200)
-        cell("big-r2-s16384", BIG, 2, 16384, ["allreduce", "localsgd-k16", "diloco-h64"],
-             ["--eval-chunk", "32", "--onehot"])
+        cell("big-r2-s16384", BIG, 2, 16384, ["allreduce", "localsgd-k16", "diloco-h64"], BIG_FAST)
     # 16k steps on the whole stdlib (~28 MB of training text: 2-4 passes over it, not 37-74).
     # One cell at a time: cells side by side on one GPU ran 3-7x slower each (2.2-3.4 min alone).
     wide = ["--corpus-mb", "40", "--eval-every", "512"]
@@ -109,10 +109,10 @@ def cells(plan: str) -> List[Dict]:
         cell("wide-r2-s16384", DEMO, 2, 16384, grid, wide)
         cell("wide-r4-s16384", DEMO, 4, 16384, grid, wide)
     if plan == "big16k-wide":   # the 4.8M model on the whole stdlib; its one-rank floor on the 2 MB
-        big = ["--eval-chunk", "32", "--onehot"]   # corpus too (-b: merges with big16k's cell)
-        cell("bigwide-r2-s16384", BIG, 2, 16384, ["allreduce", "localsgd-k16", "diloco-h64"], wide + big)
-        cell("bigwide-r2-s16384-b", BIG, 2, 16384, ["one-rank"], wide + big)
-        cell("big-r2-s16384-b", BIG, 2, 16384, ["one-rank"], big)
+        # corpus too (-b: merges with big16k's cell)
+        cell("bigwide-r2-s16384", BIG, 2, 16384, ["allreduce", "localsgd-k16", "diloco-h64"], wide + BIG_FAST)
+        cell("bigwide-r2-s16384-b", BIG, 2, 16384, ["one-rank"], wide + BIG_FAST)
+        cell("big-r2-s16384-b", BIG, 2, 16384, ["one-rank"], BIG_FAST)
     if plan == "wide16k-r4":   # the 4-rank misses above: more seeds for the outer-lr remedy, K=1 (is the
         # gap the sync period at all?), and the 4.8M model at 4 ranks, one seed per process (~7 min each)
         cell("wide-r4-s16384-p3", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "diloco-h64",
@@ -121,7 +121,7 @@ def cells(plan: str) -> List[Dict]:
         for i, seed in enumerate(SEEDS.split(",")):
             cell(f"bigwide-r4-s16384-p{i}", BIG, 4, 16384, ["allreduce", "localsgd-k16", "diloco-h64",
                                                             "diloco-h64-lr1.0-m0.5-ow8"],
-                 wide + ["--eval-chunk", "32", "--onehot", "--seeds", seed])
+                 wide + BIG_FAST + ["--seeds", seed])
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])

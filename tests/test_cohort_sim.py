@@ -41,3 +41,21 @@ def test_a_run_stopped_and_resumed_from_its_state_equals_an_unbroken_run(tmp_pat
         assert len(set(ks)) > 1
         steps = [s for s, _ in r["ks"]]
         assert all(s1 - s0 == k for (s0, k), s1 in zip(r["ks"], steps[1:]) if s1 != 60)
+
+
+@pytest.mark.timeout(600)
+def test_a_run_lr_multiplier_equals_the_run_at_that_lr(tmp_path):
+    """``-lrx2`` is AdamW at twice the lr (decay and outer step included); ``-lrx1`` changes nothing."""
+    methods = ["--methods", "allreduce,localsgd-k8,diloco-h8", "--seeds", "0"]
+    base = _sim(tmp_path, "base", *methods, "--lr", "4e-3")
+    same = _sim(tmp_path, "same", "--methods", "allreduce-lrx1,localsgd-k8-lrx1,diloco-h8-lrx1", "--seeds", "0",
+                "--lr", "4e-3")
+    twice = _sim(tmp_path, "twice", "--methods", "allreduce-lrx2,localsgd-k8-lrx2,diloco-h8-lrx2", "--seeds", "0",
+                 "--lr", "2e-3")
+    half = _sim(tmp_path, "half", *methods, "--lr", "2e-3")
+    for a, b, c, d in zip(base["runs"], same["runs"], twice["runs"], half["runs"]):
+        va, vb, vc, vd = ([p["val_loss"] for p in r["curve"]] for r in (a, b, c, d))
+        assert va == vb, a["name"]                      # the multiplier at 1 is bit-identical
+        assert vc == pytest.approx(va, rel=2e-4), a["name"]
+        assert abs(vd[-1] - va[-1]) > 50 * abs(vc[-1] - va[-1]), a["name"]   # the lr matters far more
+        assert c["lr_scale"] == 2.0 and d["lr_scale"] == 1.0

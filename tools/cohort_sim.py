@@ -60,12 +60,21 @@ def method_spec(name: str) -> Dict:
     ``diloco-h{H}-...-wd0`` (no inner weight decay), ``slowmo-k{K}``, ``localsgd-auto`` and
     ``localsgd-auto-t{TARGET}`` (``sync_every=flo.AdaptiveSync(target=TARGET)``: the library's rule
     decides each next K from the ranks' RMS divergence at the sync, as in the real sync).
+    Suffixes on any name: ``-lrx{S}`` trains with the inner (AdamW) lr times S, warm-up and decay
+    included; ``-clip{C}`` clips each rank's gradient (all-reduce: the mean) at norm C, ``-clip0``
+    not at all (default 1.0, the demo's); ``-avgm`` also averages the inner AdamW first moments at every sync, ``-avgmv`` both moments.
     """
     parts = name.split("-")
     spec = {"name": name, "kind": "local", "k": 1, "warmup": 0, "outer": None, "wd": 0.01, "ranks": None,
-            "auto": None}
-    if parts[-1] == "wd0":
-        spec["wd"] = 0.0
+            "auto": None, "lr_scale": 1.0, "avg_m": False, "clip": 1.0}
+    while parts[-1] in ("wd0", "avgm", "avgmv") or parts[-1].startswith(("lrx", "clip")):
+        if parts[-1].startswith("clip"):
+            spec["clip"] = float(parts[-1][4:]) or math.inf
+            spec["wd"] = 0.0
+        elif parts[-1] in ("avgm", "avgmv"):
+            spec["avg_m"] = parts[-1][3:]   # "m" or "mv"
+        else:
+            spec["lr_scale"] = float(parts[-1][3:])
         parts = parts[:-1]
     head = parts[0]
     if head == "allreduce":
@@ -240,6 +249,13 @@ def simulate(args) -> Dict:
     ar = torch.arange(args.context + 1)
 
     wd = torch.tensor([g["wd"] for g in groups for _ in g["rows"]], device=dev)[:, None]
+    # Per-run inner lr multipliers: the shared AdamW steps every row with the base lr, then rows
+    # with S != 1 take S times that step (decay included), i.e. AdamW at lr*S. Unused: untouched.
+    lr_scale = torch.tensor([g["lr_scale"] for g in groups for _ in g["rows"]], device=dev)[:, None]
+    scaled = bool((lr_scale != 1.0).any())
+    wd = wd * lr_scale
+    clip = torch.tensor([g["clip"] for g in groups for _ in g["rows"]], device=dev)[:, None]
+    clip = clip if bool((clip != 1.0).any()) else None
     inner = torch.optim.AdamW([flat], lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0,
                               **({"fused": True} if dev.type == "cuda" else {}))
 
@@ -298,9 +314,13 @@ def simulate(args) -> Dict:
                     outer.anchor[0].copy_(c)          # rebase: warm-up syncs are plain averaging
                 else:
                     g["pg_norm"] = float((outer.anchor[0] - c).norm())
-                    outer.step([_Group(c)], None, float(inner.param_groups[0]["lr"]))
+                    outer.step([_Group(c)], None, float(inner.param_groups[0]["lr"]) * g["lr_scale"])
                     g["outer_syncs"] += 1
             flat.detach()[rows] = c
+            if g["avg_m"]:   # first moments are linear in the gradients: their mean is all-reduce's
+                for key in ("exp_avg", "exp_avg_sq")[:len(g["avg_m"])]:
+                    m = inner.state[flat][key]
+                    m[rows] = m[rows].mean(0, keepdim=True)
         g["syncs"] += 1
         g["bytes"] += sync_bytes
         g["since"] = 0
@@ -344,9 +364,13 @@ def simulate(args) -> Dict:
                 rows = slice(g["start"], g["start"] + g["ranks"])
                 grad[rows] = grad[rows].mean(0, keepdim=True)
             norms = grad.norm(dim=1, keepdim=True)
-            grad.mul_((1.0 / (norms + 1e-6)).clamp_(max=1.0))
+            grad.mul_(((1.0 if clip is None else clip) / (norms + 1e-6)).clamp_(max=1.0))
             flat.mul_(1.0 - inner.param_groups[0]["lr"] * wd)   # AdamW's decoupled decay, per run
+            before = flat.detach().clone() if scaled else None
         inner.step()
+        if scaled:
+            with torch.no_grad():
+                flat.copy_(torch.lerp(before, flat.detach(), lr_scale))   # before + S * (after - before)
         sched.step()
         lvals = losses.detach().tolist()
         for g in groups:
@@ -380,7 +404,7 @@ def pack(groups, net, t0, partial: bool) -> Dict:
     out_groups = []
     for g in groups:
         out_groups.append({k: g[k] for k in ("name", "kind", "k", "warmup", "wd", "seed", "ranks", "syncs",
-                                             "bytes", "curve", "outer_syncs", "ks")}
+                                             "bytes", "curve", "outer_syncs", "ks", "lr_scale", "avg_m", "clip")}
                           | {"outer": repr(g["outer_obj"]) if g["outer_obj"] is not None else None,
                              "final": g["curve"][-1]})
     return {"config": {**vars(args), "params": net.n_params, "flat_numel": net.numel, "replicas": net.R,

@@ -122,6 +122,20 @@ def cells(plan: str) -> List[Dict]:
             cell(f"bigwide-r4-s16384-p{i}", BIG, 4, 16384, ["allreduce", "localsgd-k16", "diloco-h64",
                                                             "diloco-h64-lr1.0-m0.5-ow8"],
                  wide + BIG_FAST + ["--seeds", seed])
+    if plan == "wide16k-lr":   # the 4-rank K=16 miss: is it the inner lr? Each method at 1x, 1.41x and 2x
+        # AdamW's lr (all-reduce too, so the comparison is best against best), and averaging the
+        # inner first moments at the syncs. Seeds 0-200: paired with wide16k's cell.
+        cell("wide-r4-s16384-lr", DEMO, 4, 16384,
+             ["allreduce", "allreduce-lrx1.41", "allreduce-lrx2", "localsgd-k16", "localsgd-k16-lrx1.41",
+              "localsgd-k16-lrx2", "localsgd-k16-avgm", "diloco-h64-lrx1.41"], wide)
+        # averaging the inner moments (first, or both) at the syncs, on three more seeds, and at K=1
+        cell("wide-r4-s16384-mom", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgm",
+                                                    "localsgd-k16-avgmv", "sync-k1-avgm"],
+             wide + ["--seeds", "300,400,500"])
+        cell("wide-r4-s16384-mom0", DEMO, 4, 16384, ["localsgd-k16-avgmv", "sync-k1-avgm"], wide)
+        # the clipping: a quarter batch's gradient is longer than the full batch's, so clip 1.0 bites more
+        cell("wide-r4-s16384-clip", DEMO, 4, 16384, ["allreduce", "allreduce-clip0", "sync-k1", "sync-k1-clip0",
+                                                     "localsgd-k16-clip0", "localsgd-k16-clip2"], wide)
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])
@@ -137,7 +151,7 @@ def cells(plan: str) -> List[Dict]:
              ["allreduce", "sync-k1", "localsgd-k16", "diloco-h16", "diloco-h16-paper", "one-rank"])
     if not out:
         raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, big16k, "
-                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, auto-big, all or smoke")
+                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, auto-big, all or smoke")
     return out
 
 

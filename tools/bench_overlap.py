@@ -106,6 +106,11 @@ def worker(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     def block(name, model, opt) -> float:
         if cuda:
             torch.cuda.synchronize(dev)
+        if cfg["align"] and world > 1:
+            # Start every block with the ranks together, untimed: otherwise the drift the ranks
+            # pick up in the previous block (the anchor's above all, which never waits) is paid by
+            # the first sync of whichever variant comes next, not by the variant that made it.
+            dist.barrier()
         t0 = time.perf_counter()
         for i in range(cfg["steps"]):
             opt.zero_grad(set_to_none=True)
@@ -234,13 +239,15 @@ def main(argv=None) -> None:
     p.add_argument("--ranks", type=int, default=2, help="ranks (nccl on one GPU: 1)")
     p.add_argument("--bind", action="store_true",
                    help="pin rank r and its threads to core r (as mpirun --bind-to core; Linux)")
+    p.add_argument("--no-align", dest="align", action="store_false",
+                   help="do not start each block with a barrier (the runs before 2026-12-04 did not)")
     p.add_argument("--json", default="bench_overlap.json")
     p.add_argument("--plot", default=None, help="write a PNG of the ratios (needs matplotlib)")
     a = p.parse_args(argv)
     cfg = {k: getattr(a, k) for k in ("width", "layers", "inputs", "batch", "sync_every", "fragments",
                                       "overlap_steps", "overlap_full", "outer", "steps", "reps",
                                       "warmup", "raw_reps", "threads", "json", "device", "backend",
-                                      "ranks", "bind")}
+                                      "ranks", "bind", "align")}
     if a.backend == "nccl" and a.device != "cuda":
         p.error("--backend nccl needs --device cuda")
     results = bc.spawn(worker, a.ranks, cfg, backend=a.backend)

@@ -345,7 +345,8 @@ def simulate(args) -> Dict:
         evaluate(0, t0)
     last_print = run_start = time.perf_counter()
     for step in range(first, args.steps + 1):
-        if args.time_limit and time.perf_counter() - run_start > args.time_limit:
+        if (args.time_limit and time.perf_counter() - run_start > args.time_limit) or \
+                (args.stop_after and step > args.stop_after):
             if args.state:
                 tmp = args.state + ".tmp"
                 torch.save({"step": step - 1, "flat": flat.detach(), "inner": inner.state_dict(),
@@ -439,8 +440,11 @@ def parse_args(argv=None):
     p.add_argument("--partial", action="store_true", help="rewrite --json at every evaluation")
     p.add_argument("--time-limit", type=float, default=0.0,
                    help="stop after this many seconds of training (0: none); with --state, save to go on later")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="stop after this step as --time-limit would (0: never); a stop that does not hang on timing")
     p.add_argument("--state", default=None,
-                   help="checkpoint file: resumed from when it exists, written when --time-limit stops the run")
+                   help="checkpoint file: resumed from when it exists, written when --time-limit or --stop-after "
+                        "stops the run")
     p.add_argument("--json", required=True)
     return p.parse_args(argv)
 

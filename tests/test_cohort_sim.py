@@ -58,3 +58,41 @@ def test_a_run_lr_multiplier_equals_the_run_at_that_lr(tmp_path):
         assert vc == pytest.approx(va, rel=2e-4), a["name"]
         assert abs(vd[-1] - va[-1]) > 50 * abs(vc[-1] - va[-1]), a["name"]   # the lr matters far more
         assert c["lr_scale"] == 2.0 and d["lr_scale"] == 1.0
+
+
+def _load_sim():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cohort_sim", SIM)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_each_method_suffix_sets_only_its_own_option():
+    sim = _load_sim()
+    base = sim.method_spec("localsgd-k16")
+    for name, changed in [("localsgd-k16-clip0", {"clip": float("inf")}), ("localsgd-k16-clip2", {"clip": 2.0}),
+                          ("localsgd-k16-wd0", {"wd": 0.0}), ("localsgd-k16-lrx1.41", {"lr_scale": 1.41}),
+                          ("localsgd-k16-avgmvc", {"avg_m": "mvc"}),
+                          ("localsgd-k16-avgm-clip0", {"avg_m": "m", "clip": float("inf")})]:
+        spec = sim.method_spec(name)
+        assert {k: v for k, v in spec.items() if k != "name" and base[k] != v} == changed, name
+
+
+def test_denoised_second_moment_at_one_step_is_that_of_the_mean_gradient():
+    """After one step from shared moments, -avgmvc's v is the cohort's mean gradient's, in float64."""
+    import torch
+    sim = _load_sim()
+    g = torch.Generator().manual_seed(0)
+    M, N, b1, b2 = 4, 1000, 0.9, 0.99
+    m0 = torch.randn(N, generator=g, dtype=torch.float64) * 0.1
+    v0 = torch.rand(N, generator=g, dtype=torch.float64) + 1.0     # large enough that the floor never binds
+    grads = torch.randn(M, N, generator=g, dtype=torch.float64) * 0.3 + 0.2
+    m = b1 * m0 + (1 - b1) * grads
+    v = b2 * v0 + (1 - b2) * grads ** 2
+    want = b2 * v0 + (1 - b2) * grads.mean(0) ** 2                  # one AdamW step on the averaged gradient
+    torch.testing.assert_close(sim.denoised_second_moment(m, v, 1), want, rtol=1e-12, atol=1e-15)
+    # From v0 = 0 the excess can exceed what is there: floored at mean(v_i) / M, never below it
+    v = (1 - b2) * grads ** 2
+    got = sim.denoised_second_moment(m, v, 1)
+    assert bool((got >= v.mean(0) / M - 1e-15).all()) and bool((got < v.mean(0)).all())

@@ -62,17 +62,25 @@ def method_spec(name: str) -> Dict:
     decides each next K from the ranks' RMS divergence at the sync, as in the real sync).
     Suffixes on any name: ``-lrx{S}`` trains with the inner (AdamW) lr times S, warm-up and decay
     included; ``-clip{C}`` clips each rank's gradient (all-reduce: the mean) at norm C, ``-clip0``
-    not at all (default 1.0, the demo's); ``-avgm`` also averages the inner AdamW first moments at every sync, ``-avgmv`` both moments.
+    not at all (default 1.0, the demo's); ``-avgm`` also averages the inner AdamW first moments at every sync, ``-avgmv`` both moments,
+    ``-avgmvc`` both, with the second moment's excess noise taken out: each rank's ``v`` summed the
+    squares of its own quarter-batch gradients over the window, (1 - b2^K) s^2 more than the
+    cohort's mean gradient would have put there, s^2 in excess by (1 - 1/M); s^2, the per-rank
+    gradient noise, is read from the spread of the ranks' first moments (Var m_i = s^2 (1 - b1)
+    (1 - b1^2K) / (1 + b1) for a window that started from a shared m). So
+    ``v = mean(v_i) - (1 - b2^K)(1 - 1/M) s^2``, floored at ``mean(v_i) / M``. At K=1 it is
+    exactly the second moment of the averaged gradient.
     """
     parts = name.split("-")
     spec = {"name": name, "kind": "local", "k": 1, "warmup": 0, "outer": None, "wd": 0.01, "ranks": None,
             "auto": None, "lr_scale": 1.0, "avg_m": False, "clip": 1.0}
-    while parts[-1] in ("wd0", "avgm", "avgmv") or parts[-1].startswith(("lrx", "clip")):
-        if parts[-1].startswith("clip"):
-            spec["clip"] = float(parts[-1][4:]) or math.inf
+    while parts[-1] in ("wd0", "avgm", "avgmv", "avgmvc") or parts[-1].startswith(("lrx", "clip")):
+        if parts[-1] == "wd0":
             spec["wd"] = 0.0
-        elif parts[-1] in ("avgm", "avgmv"):
-            spec["avg_m"] = parts[-1][3:]   # "m" or "mv"
+        elif parts[-1].startswith("clip"):
+            spec["clip"] = float(parts[-1][4:]) or math.inf
+        elif parts[-1].startswith("avgm"):
+            spec["avg_m"] = parts[-1][3:]   # "m", "mv" or "mvc"
         else:
             spec["lr_scale"] = float(parts[-1][3:])
         parts = parts[:-1]
@@ -113,6 +121,16 @@ def method_spec(name: str) -> Dict:
     else:
         raise SystemExit(f"cohort_sim: unknown method {name!r}")
     return spec
+
+
+def denoised_second_moment(m: torch.Tensor, v: torch.Tensor, window: int, b1: float = 0.9,
+                           b2: float = 0.99) -> torch.Tensor:
+    """``-avgmvc``'s shared AdamW second moment from the ranks' moments ``[M, N]`` after a window of
+    ``window`` steps that began from shared moments (the formula is in method_spec's docstring)."""
+    M = m.shape[0]
+    noise = m.var(0) * ((1 + b1) / ((1 - b1) * (1 - b1 ** (2 * window))))
+    vbar = v.mean(0)
+    return torch.maximum(vbar - ((1 - b2 ** window) * (1 - 1 / M)) * noise, vbar / M)
 
 
 def build_outer(spec: Dict):
@@ -318,11 +336,14 @@ def simulate(args) -> Dict:
                     g["outer_syncs"] += 1
             flat.detach()[rows] = c
             if g["avg_m"]:   # first moments are linear in the gradients: their mean is all-reduce's
-                for key in ("exp_avg", "exp_avg_sq")[:len(g["avg_m"])]:
-                    m = inner.state[flat][key]
-                    m[rows] = m[rows].mean(0, keepdim=True)
+                m, v = inner.state[flat]["exp_avg"], inner.state[flat]["exp_avg_sq"]
+                if g["avg_m"] == "mvc":
+                    v[rows] = denoised_second_moment(m[rows], v[rows], max(1, g["since"]))
+                elif g["avg_m"] == "mv":
+                    v[rows] = v[rows].mean(0, keepdim=True)
+                m[rows] = m[rows].mean(0, keepdim=True)
         g["syncs"] += 1
-        g["bytes"] += sync_bytes
+        g["bytes"] += sync_bytes + (N * 4 * (1 if g["avg_m"] == "m" else 2) if g["avg_m"] else 0)   # + moments
         g["since"] = 0
 
     ar_groups = [g for g in groups if g["kind"] == "allreduce"]

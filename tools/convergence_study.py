@@ -136,6 +136,13 @@ def cells(plan: str) -> List[Dict]:
         # the clipping: a quarter batch's gradient is longer than the full batch's, so clip 1.0 bites more
         cell("wide-r4-s16384-clip", DEMO, 4, 16384, ["allreduce", "allreduce-clip0", "sync-k1", "sync-k1-clip0",
                                                      "localsgd-k16-clip0", "localsgd-k16-clip2"], wide)
+    if plan == "wide16k-vc":   # the K=1 half of the 4-rank gap: each rank's AdamW second moment sums the
+        # squares of a quarter batch's gradients, noisier than all-reduce's; -avgmvc averages both moments at
+        # the sync and takes that excess out. And the clipping cell again, with weight decay this time.
+        cell("wide-r4-s16384-vc", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgmvc",
+                                                   "sync-k1-avgmvc"], wide + ["--seeds", "0,100,200,300,400,500"])
+        cell("wide-r4-s16384-clipwd", DEMO, 4, 16384, ["allreduce", "allreduce-clip0", "sync-k1-clip0",
+                                                       "localsgd-k16-clip0"], wide)
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])
@@ -151,7 +158,7 @@ def cells(plan: str) -> List[Dict]:
              ["allreduce", "sync-k1", "localsgd-k16", "diloco-h16", "diloco-h16-paper", "one-rank"])
     if not out:
         raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, big16k, "
-                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, auto-big, all or smoke")
+                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, wide16k-vc, auto-big, all or smoke")
     return out
 
 

@@ -185,8 +185,9 @@ class Consensus:
 
     def restore(self) -> bool:
         """Put the pre-sync values back (the part of each buffer copied so far: the rest is untouched)."""
-        if not self._scratch or self._scratch_is_delta:
-            return False
+        if not self.keep_presync or self._scratch_is_delta:
+            return False  # no copy, or the copy is already spent on the readout
+        # Nothing copied yet (a count that failed): nothing was written either, the params are intact.
         with torch.no_grad():
             for g in self.params + self.buffers:
                 s, n = self._scratch.get(id(g)), self._valid.get(id(g), 0)
@@ -439,6 +440,7 @@ class Consensus:
         stats = SyncStats(sync=sync_number, steps=steps)
         optimistic = self.distributed and self.keep_presync and steps > 0
         self._valid.clear()  # nothing copied yet at this sync: a restore must not write stale data
+        self._scratch_is_delta = False  # the last sync's spent copy: this one's is about to be made
         pre_sq, nonfinite = None, False
         if not optimistic:
             pre_sq = self._pre_norm_sq()

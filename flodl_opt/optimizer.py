@@ -44,6 +44,7 @@ from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
 from .stall import DEFAULT_STALL_WARNING_S, StallWatchdog
 from .wire import DEFAULT_WIRE_BLOCK, make_wire, wire_config
 from .streaming import Schedule, StreamingSync, round_period
+from .moments import MomentSync, check_optimizer
 
 STATE_KEY = "flodl_opt"
 STATE_VERSION = 1
@@ -51,6 +52,8 @@ STATE_VERSION = 1
 _STRICT_CONFIG = ("sync_every", "warmup_steps", "gamma", "outer", "wire")
 # Must agree even with strict=False (a checkpoint may hold a fragment in flight); absent = default.
 _STREAM_CONFIG = {"fragments": 1, "overlap_steps": 0}
+# Must agree with strict=True; absent from older checkpoints = default.
+_DEFAULTED_CONFIG = {"sync_moments": False}
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -94,6 +97,9 @@ class LocalSGDOptimizer(WrappedOptimizer):
         overlap_steps: tau < K/P, keep training tau steps while a fragment's sync is in flight,
             then merge it as ``W <- G + (W - S)`` (flodl_opt/streaming.py). Defaults (1, 0)
             are the blocking sync, bit for bit.
+        sync_moments: also share an Adam/AdamW inner optimizer's moments at every sync, the
+            second moment with the excess noise of each rank's small batch taken out, so local
+            steps move as gradient all-reduce's would (flodl_opt/moments.py; 4x the sync's bytes).
     """
 
     # GradScaler then calls step() even when it found inf/NaN, so a skipped step still ticks the
@@ -108,7 +114,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
                  fragments: int = 1, overlap_steps: int = 0, broadcast_initial: bool = True, keep_presync: bool = True,
                  nonfinite_guard: bool = True, gloo_chunk_bytes: int = DEFAULT_GLOO_CHUNK_BYTES,
                  stall_warning_s: Optional[float] = DEFAULT_STALL_WARNING_S,
-                 wire: str = "fp32", wire_block: int = DEFAULT_WIRE_BLOCK, error_feedback: bool = False):
+                 wire: str = "fp32", wire_block: int = DEFAULT_WIRE_BLOCK, error_feedback: bool = False,
+                 sync_moments: bool = False):
         _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma)
         self._adaptive: Optional[AdaptiveSync] = make_adaptive(sync_every)
         if self._adaptive is not None and not keep_presync:
@@ -130,6 +137,13 @@ class LocalSGDOptimizer(WrappedOptimizer):
             raise ConfigError(f"flodl_opt: wire={wire!r} is not supported with fragments/overlap_steps "
                               "yet (streaming syncs send float32): use wire='fp32', or fragments=1 and "
                               "overlap_steps=0")
+        if not isinstance(sync_moments, bool):
+            raise ConfigError(f"sync_moments must be True or False, got {sync_moments!r}")
+        if sync_moments:
+            check_optimizer(optimizer)
+            if fragments > 1 or overlap_steps > 0:
+                raise ConfigError("sync_moments=True is not supported with fragments/overlap_steps (the "
+                                  "moments are shared at blocking syncs only): drop one of them")
         launch.ensure_init()
         # Share the inner optimizer's param_groups and state (flodl_opt/wrapping.py).
         self._share(optimizer)
@@ -166,6 +180,10 @@ class LocalSGDOptimizer(WrappedOptimizer):
             process_group, group_size, self._rank, launch.backend(), gamma=self.gamma,
             keep_presync=keep_presync, nonfinite_guard=nonfinite_guard,
             gloo_chunk_bytes=gloo_chunk_bytes)
+        self._moments: Optional[MomentSync] = None  # None: each rank keeps its own inner moments
+        if sync_moments:
+            self._moments = MomentSync(optimizer, self._params, self.gamma, process_group,
+                                       self._consensus.comm_device, self._consensus.distributed, self._rank)
         if group_size > 1:
             self._check_same_everywhere()
             if broadcast_initial:
@@ -307,8 +325,10 @@ class LocalSGDOptimizer(WrappedOptimizer):
             assert self.last_sync is not None
             return self.last_sync
         try:
-            stats = self._run_consensus(self._steps_since_sync - self._skipped_since_sync,
-                                        self._sync_count + 1, active=not self._joined)  # count -> reduce -> readout
+            steps = self._steps_since_sync - self._skipped_since_sync
+            moments = self._reduce_moments(steps, self._sync_count + 1)   # shared, not yet written
+            stats = self._run_consensus(steps, self._sync_count + 1, active=not self._joined)  # count -> reduce -> readout
+            self._apply_moments(moments, stats)
             self._sync_count += 1
             self._global_steps += stats.cohort_steps
             self._steps_since_sync = self._skipped_since_sync = 0
@@ -324,6 +344,21 @@ class LocalSGDOptimizer(WrappedOptimizer):
                 train.wait_stream(torch.cuda.current_stream(train.device))
         self.last_sync = stats
         return stats
+
+    def _reduce_moments(self, steps: int, sync_number: int) -> Optional[torch.Tensor]:
+        if self._moments is None:
+            return None
+        with self._waiting(sync_number):
+            return self._moments.reduce(steps, sync_number)
+
+    def _apply_moments(self, moments: Optional[torch.Tensor], stats: SyncStats) -> None:
+        """After a consensus that succeeded: every rank adopts the shared inner moments."""
+        if moments is None:
+            return
+        assert self._moments is not None
+        self._moments.apply(moments)
+        stats.collectives += 1
+        stats.bytes += self._moments.bytes_per_sync
 
     def _record(self, done: List[SyncStats]) -> None:
         """Counters after streaming syncs: global steps from fragment 0 (each step counted once)."""
@@ -464,7 +499,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         return {"sync_every": every, "warmup_steps": self.warmup_steps, "gamma": self.gamma,
                 "fragments": self.fragments, "overlap_steps": self.overlap_steps,
                 "outer": self.outer.name, "outer_config": self.outer.config(),
-                "max_grad_norm": self.max_grad_norm,
+                "max_grad_norm": self.max_grad_norm, "sync_moments": self._moments is not None,
                 "wire": self._wire.config() if self._wire is not None else wire_config(),
                 "flat": [(r, d, [list(s) for s in shapes]) for r, d, shapes in
                          signature(self._param_groups_flat + self._buffer_groups_flat)]}
@@ -506,7 +541,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
                               "tensors' shapes or dtypes differ); build the same model before loading")
         keys = ("outer", "wire") if not strict else _STRICT_CONFIG
         diff = {k: (saved[k], now[k]) for k in keys if saved[k] != now[k]}
-        diff.update({k: (saved.get(k, d), now[k]) for k, d in _STREAM_CONFIG.items()
+        diff.update({k: (saved.get(k, d), now[k]) for k, d in
+                     {**_STREAM_CONFIG, **(_DEFAULTED_CONFIG if strict else {})}.items()
                      if saved.get(k, d) != now[k]})
         if diff:
             raise ConfigError(f"flodl_opt: the checkpoint's config differs from this optimizer's "
@@ -551,7 +587,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
     def _check_same_everywhere(self) -> None:
         """Every rank must wrap the same tensors with the same config, or the collectives misalign."""
         cfg = self.config()
-        keys = _STRICT_CONFIG + tuple(_STREAM_CONFIG)
+        keys = _STRICT_CONFIG + tuple(_STREAM_CONFIG) + tuple(_DEFAULTED_CONFIG)
         desc = {"flat": cfg["flat"], **{k: cfg[k] for k in keys}}
         summary = {"groups": [(r, d, len(s), sum(_numel(x) for x in s)) for r, d, s in cfg["flat"]],
                    **{k: cfg[k] for k in keys}}

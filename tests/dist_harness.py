@@ -190,3 +190,30 @@ def sync_error_verdict(out: str, run: Callable[[], Any], describe: Callable[[Exc
     torch.save(result, out)
     return result
 
+
+
+def base_package(tmp_dir, commit: str) -> Optional[str]:
+    """``commit``'s flodl_opt, importable as ``flodl_opt_base`` from the returned folder (None where
+    git lacks the commit): what a default must still equal bit for bit."""
+    import io
+    import subprocess
+    import tarfile
+    try:
+        blob = subprocess.run(["git", "-C", ROOT, "archive", commit, "flodl_opt"], check=True,
+                              capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(tmp_dir, filter="data")
+    os.rename(os.path.join(tmp_dir, "flodl_opt"), os.path.join(tmp_dir, "flodl_opt_base"))
+    return str(tmp_dir)
+
+
+def load_base(base_dir: str):
+    """Import the package ``base_package`` extracted (in a rank process)."""
+    import importlib
+    sys.path.insert(0, base_dir)
+    try:
+        return importlib.import_module("flodl_opt_base")
+    finally:
+        sys.path.remove(base_dir)

@@ -6,6 +6,7 @@ as shared-memory handles that die with the rank).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -42,12 +43,15 @@ def _local_steps(model, opt, rank, n):
 
 
 # ------------------------------------------------------------------ a peer dies inside a sync
-def _peer_dies_mid_sync(rank, world, out):
+def _peer_dies_mid_sync(outer, rank, world, out):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
     chunk = 1024  # elements: Gloo reduces the params in 5 chunks
-    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+    opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, outer=outer,
                                 sync_every=1000, gloo_chunk_bytes=chunk * 4, stall_warning_s=None)
+    if outer is not None:   # a completed sync first: its outer step spent the pre-sync copy on deltas
+        _local_steps(model, opt, rank, 2)
+        opt.sync()
     _local_steps(model, opt, rank, 3)
     pre = _flat(model).clone()
     cons = opt._consensus
@@ -77,15 +81,17 @@ def _peer_dies_mid_sync(rank, world, out):
         "counters": (opt.sync_count, opt.steps_since_sync), **seen})
 
 
-def test_peer_killed_during_sync_survivor_raises_with_pre_sync_params(tmp_path):
+@pytest.mark.parametrize("outer", [None, "easgd"], ids=["first-sync", "after-an-easgd-sync"])
+def test_peer_killed_during_sync_survivor_raises_with_pre_sync_params(tmp_path, outer):
     out = str(tmp_path / "rank0.pt")
     # Only the killed rank failed; the survivor reported (its verdict is in the file).
-    r = survivor_verdict(_peer_dies_mid_sync, out, timeout=90, collective_timeout=15)
-    assert r["msg"].startswith("flodl_opt: sync #1 failed on rank 0"), r["msg"]
-    assert (r["rank"], r["sync"], r["restored"]) == (0, 1, True)
+    r = survivor_verdict(functools.partial(_peer_dies_mid_sync, outer), out, timeout=90, collective_timeout=15)
+    n = 1 if outer is None else 2   # EASGD reads W_i_pre - C: the last copy was spent on it
+    assert r["msg"].startswith(f"flodl_opt: sync #{n} failed on rank 0"), r["msg"]
+    assert (r["rank"], r["sync"], r["restored"]) == (0, n, True)
     assert r["half_averaged"], "the first chunk should have been averaged before the peer died"
     assert r["equal"], "params/buffers differ from the pre-sync values after SyncError"
-    assert r["counters"] == (0, 3), "a failed sync must not advance the counters"
+    assert r["counters"] == (n - 1, 3), "a failed sync must not advance the counters"
     assert "resume from the last checkpoint" in r["msg"]
 
 

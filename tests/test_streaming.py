@@ -6,14 +6,10 @@ numpy arrays, never tensors.
 """
 from __future__ import annotations
 
-import importlib
 import io
 import os
 import re
 import signal
-import subprocess
-import sys
-import tarfile
 
 import numpy as np
 import pytest
@@ -22,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flodl_opt as flo
-from dist_harness import ROOT, gather_object, run_ranks, survivor_verdict, sync_error_verdict
+from dist_harness import base_package, gather_object, load_base, run_ranks, survivor_verdict, sync_error_verdict
 
 # The commit this mode was built on: its blocking sync is what the defaults must reproduce bit for bit.
 BASE_COMMIT = "1e44889"
@@ -176,14 +172,6 @@ def _ddp_run(rank, world):
     return {"pre": pre_sync, "post": _flat(net)}
 
 
-def _load_base(base_dir):
-    sys.path.insert(0, base_dir)
-    try:
-        return importlib.import_module("flodl_opt_base")
-    finally:
-        sys.path.remove(base_dir)
-
-
 def _defaults_run(rank, world, base_dir):
     """Defaults, explicit fragments=1/overlap_steps=0 and the base commit's blocking sync."""
     out = {}
@@ -191,7 +179,7 @@ def _defaults_run(rank, world, base_dir):
     if base_dir is not None:
         variants["base"] = None
     for name, kwargs in variants.items():
-        lib = _load_base(base_dir) if kwargs is None else flo
+        lib = load_base(base_dir) if kwargs is None else flo
         for outer in ("avg", "diloco"):
             model = _mlp(bn=True)
             inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -215,22 +203,9 @@ def _all_scenarios(rank, world, base_dir):
             "defaults": _defaults_run(rank, world, base_dir)}
 
 
-def _base_package(tmp_dir) -> str | None:
-    """The base commit's flodl_opt, importable as ``flodl_opt_base`` (None where git lacks it)."""
-    try:
-        blob = subprocess.run(["git", "-C", ROOT, "archive", BASE_COMMIT, "flodl_opt"], check=True,
-                              capture_output=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-        tar.extractall(tmp_dir, filter="data")
-    os.rename(os.path.join(tmp_dir, "flodl_opt"), os.path.join(tmp_dir, "flodl_opt_base"))
-    return str(tmp_dir)
-
-
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory):
-    base = _base_package(tmp_path_factory.mktemp("base"))
+    base = base_package(tmp_path_factory.mktemp("base"), BASE_COMMIT)
     return run_ranks(_all_scenarios, 2, base, timeout=150), base
 
 

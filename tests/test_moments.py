@@ -1,0 +1,294 @@
+"""``sync_moments=True``: the inner AdamW moments shared at the sync, on real Gloo ranks.
+
+The shared moments are checked against the formula of flodl_opt/moments.py written here in float64
+from every rank's moments gathered test-side (unequal work, so the weights matter), and, after one
+step from shared moments, against the moments of the averaged gradient (AdamW's own update rule
+applied here to the gathered gradients). Also: identical on every rank, exact resume, a peer killed
+mid-sync (nothing written), the non-finite guard, clear refusals, and the default bit-identical to
+the commit before the option existed.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flodl_opt as flo
+from dist_harness import base_package, gather_object, load_base, run_ranks, survivor_verdict, sync_error_verdict
+
+BASE_COMMIT = "69c32cb"   # the last commit without sync_moments
+B1, B2 = 0.9, 0.95
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def _train(model, opt, rank, steps, start=0):
+    for t in range(start + 1, start + steps + 1):
+        g = torch.Generator().manual_seed(1000 * rank + t)
+        x = torch.randn(8, 5, generator=g)
+        opt.zero_grad()
+        (model(x) - x[:, :3]).pow(2).mean().backward()
+        opt.step()
+
+
+def _moments(inner, model):
+    st = [inner.state[p] for p in model.parameters()]
+    return (np.concatenate([s["exp_avg"].double().reshape(-1).numpy() for s in st]),
+            np.concatenate([s["exp_avg_sq"].double().reshape(-1).numpy() for s in st]))
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()]).numpy()
+
+
+def _build(model, **kw):
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(B1, B2), weight_decay=0.01)
+    return inner, flo.LocalSGDOptimizer(inner, model=model, stall_warning_s=None, **kw)
+
+
+# ------------------------------------------------------------------ rank functions
+def _reference_run(rank, world):
+    """Two syncs after unequal work: every rank's moments before, the shared ones after."""
+    model = _model()
+    inner, opt = _build(model, sync_every=10 ** 9, sync_moments=True)
+    rounds = []
+    for steps in ((5, 3, 4), (2, 6, 4)):
+        _train(model, opt, rank, steps[rank], start=10 * len(rounds))
+        pre = gather_object((_moments(inner, model), steps[rank]))
+        stats = opt.sync()
+        rounds.append({"pre": pre, "post": _moments(inner, model), "bytes": stats.bytes,
+                       "collectives": stats.collectives})
+    return rounds
+
+
+def _one_step_run(rank, world):
+    """From shared moments, one step each: the gradients the ranks stepped on, and the result."""
+    model = _model()
+    inner, opt = _build(model, sync_every=10 ** 9, sync_moments=True)
+    _train(model, opt, rank, 4)
+    opt.sync()
+    m0, v0 = _moments(inner, model)
+    grads = []
+    inner.register_step_pre_hook(lambda o, a, k: grads.append(
+        torch.cat([p.grad.reshape(-1).double() for p in model.parameters()]).numpy()))
+    _train(model, opt, rank, 1, start=4)
+    opt.sync()
+    return {"m0": m0, "v0": v0, "grads": gather_object(grads[0]), "post": _moments(inner, model)}
+
+
+def _resume_run(rank, world):
+    """Seven steps, a checkpoint, five more; against a fresh optimizer loaded from it."""
+    model = _model()
+    inner, opt = _build(model, sync_every=3, sync_moments=True)
+    _train(model, opt, rank, 7)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    _train(model, opt, rank, 5, start=7)
+    straight = (_flat(model), *_moments(inner, model))
+    model2 = _model(seed=1)
+    inner2, opt2 = _build(model2, sync_every=3, sync_moments=True)
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    _train(model2, opt2, rank, 5, start=7)
+    resumed = (_flat(model2), *_moments(inner2, model2))
+    return {"straight": straight, "resumed": resumed, "config": saved[1]["flodl_opt"]["config"]["sync_moments"]}
+
+
+def _nonfinite_run(rank, world):
+    """Rank 1's params go NaN before the sync: it gets no vote, the others share their moments."""
+    model = _model()
+    inner, opt = _build(model, sync_every=10 ** 9, sync_moments=True)
+    _train(model, opt, rank, 3)
+    if rank == 1:
+        with torch.no_grad():
+            next(model.parameters())[0, 0] = float("nan")
+    pre = gather_object((_moments(inner, model), 0 if rank == 1 else 3))   # the NaN rank: no vote
+    with pytest.warns(flo.NonFiniteWarning) if rank == 1 else _nullcontext():
+        opt.sync()
+    return {"params": _flat(model), "moments": _moments(inner, model), "pre": pre}
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _defaults_run(rank, world, base_dir):
+    """The default, sync_moments=False and the base commit's optimizer: the same bits."""
+    out = {}
+    for name in ("default", "off", "base"):
+        if name == "base" and base_dir is None:
+            continue
+        lib = load_base(base_dir) if name == "base" else flo
+        for outer in (None, "diloco"):
+            model = _model()
+            inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            kw = {"sync_moments": False} if name == "off" else {}
+            opt = lib.LocalSGDOptimizer(inner, model=model, sync_every=3, outer=outer, max_grad_norm=1.0,
+                                        stall_warning_s=None, **kw)
+            _train(model, opt, rank, 10)
+            opt.sync()
+            out[(name, outer)] = (_flat(model), *_moments(inner, model))
+    return out
+
+
+def _all(rank, world, base_dir):
+    return {"reference": _reference_run(rank, world), "one_step": _one_step_run(rank, world),
+            "resume": _resume_run(rank, world), "nonfinite": _nonfinite_run(rank, world),
+            "defaults": _defaults_run(rank, world, base_dir)}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    base = base_package(tmp_path_factory.mktemp("base"), BASE_COMMIT)
+    return run_ranks(_all, 3, base, timeout=150), base
+
+
+# ------------------------------------------------------------------ the float64 references
+def _formula(pre):
+    """flodl_opt/moments.py's shared (m, v), in float64, from [((m_i, v_i), n_i)] of every rank."""
+    n = np.array([s for _, s in pre], dtype=np.float64)
+    w = n / n.sum()
+    m = np.stack([mv[0] for mv, _ in pre])
+    v = np.stack([mv[1] for mv, _ in pre])
+    mbar, vbar = w @ m, w @ v
+    w2, window = float((w * w).sum()), float(w @ n)
+    var = (w[:, None] * (m - mbar) ** 2).sum(0) / (1 - w2)
+    noise = var * (1 + B1) / ((1 - B1) * (1 - B1 ** (2 * window)))
+    return mbar, np.maximum(vbar - (1 - B2 ** window) * (1 - w2) * noise, w2 * vbar)
+
+
+def test_shared_moments_follow_the_formula_in_float64_with_unequal_work(shared):
+    res, _ = shared
+    for i in range(2):
+        m_ref, v_ref = _formula(res[0]["reference"][i]["pre"])
+        for r in res:
+            m, v = r["reference"][i]["post"]
+            np.testing.assert_allclose(m, m_ref, rtol=1e-5, atol=1e-7 * np.abs(m_ref).max())
+            np.testing.assert_allclose(v, v_ref, rtol=1e-5, atol=1e-6 * np.abs(v_ref).max())
+        # the noise term is not negligible here: plain averaging of v is far from the result
+        vbar = np.mean([mv[1] for mv, _ in res[0]["reference"][i]["pre"]], axis=0)
+        assert np.abs(vbar - v_ref).max() > 100 * 1e-6 * np.abs(v_ref).max()
+    for i in range(2):   # identical on every rank, bit for bit
+        for r in res[1:]:
+            assert all(np.array_equal(a, b) for a, b in zip(r["reference"][i]["post"], res[0]["reference"][i]["post"]))
+    n = sum(p.numel() for p in _model().parameters())
+    stats = res[0]["reference"][0]
+    assert stats["bytes"] >= (3 * n + 3) * 4 + n * 4 and stats["collectives"] >= 2
+
+
+def test_after_one_step_from_shared_moments_they_are_those_of_the_averaged_gradient(shared):
+    res, _ = shared
+    a = res[0]["one_step"]
+    for r in res[1:]:   # the start was shared
+        assert np.array_equal(r["one_step"]["m0"], a["m0"]) and np.array_equal(r["one_step"]["v0"], a["v0"])
+    gbar = np.mean(a["grads"], axis=0)
+    m_ref = B1 * a["m0"] + (1 - B1) * gbar          # AdamW on the mean gradient: gradient all-reduce
+    v_ref = B2 * a["v0"] + (1 - B2) * gbar ** 2
+    for r in res:
+        m, v = r["one_step"]["post"]
+        np.testing.assert_allclose(m, m_ref, rtol=1e-5, atol=1e-7 * np.abs(m_ref).max())
+        np.testing.assert_allclose(v, v_ref, rtol=1e-5, atol=1e-6 * np.abs(v_ref).max())
+    v_avg = B2 * a["v0"] + (1 - B2) * np.mean(np.square(a["grads"]), axis=0)   # what averaging v gives
+    assert np.abs(v_avg - v_ref).max() > 100 * 1e-6 * np.abs(v_ref).max()
+
+
+def test_resume_is_bit_exact(shared):
+    res, _ = shared
+    for r in res:
+        assert r["resume"]["config"] is True
+        assert all(np.array_equal(a, b) for a, b in zip(r["resume"]["straight"], r["resume"]["resumed"]))
+    assert all(np.array_equal(a, b) for a, b in zip(res[0]["resume"]["straight"], res[2]["resume"]["straight"]))
+
+
+def test_nonfinite_rank_gets_no_vote_and_the_others_share_their_moments(shared):
+    res, _ = shared
+    a, b, c = (r["nonfinite"] for r in res)
+    assert np.isfinite(a["params"]).all() and np.array_equal(a["params"], b["params"])
+    pre = [x for x in a["pre"] if x[1] > 0]   # ranks 0 and 2, equal work
+    m_ref, v_ref = _formula(pre)
+    for r in (a, b, c):   # the NaN rank's moments were finite: it adopts the shared ones, like the params
+        np.testing.assert_allclose(r["moments"][0], m_ref, rtol=1e-5, atol=1e-7 * np.abs(m_ref).max())
+        np.testing.assert_allclose(r["moments"][1], v_ref, rtol=1e-5, atol=1e-6 * np.abs(v_ref).max())
+    assert all(np.array_equal(x, y) for r in (b, c) for x, y in zip(a["moments"], r["moments"]))
+
+
+def test_default_is_bit_identical_to_the_commit_before_the_option(shared):
+    res, base = shared
+    for r in res:
+        d = r["defaults"]
+        for outer in (None, "diloco"):
+            assert all(np.array_equal(x, y) for x, y in zip(d[("default", outer)], d[("off", outer)]))
+            if base is not None:
+                assert all(np.array_equal(x, y) for x, y in zip(d[("default", outer)], d[("base", outer)]))
+    assert not all(np.array_equal(x, y) for x, y in zip(res[0]["defaults"][("default", None)][1:],
+                                                         res[1]["defaults"][("default", None)][1:])), \
+        "without the option each rank keeps its own moments"
+    if base is None:
+        pytest.skip(f"git has no commit {BASE_COMMIT}: compared the default with sync_moments=False only")
+
+
+# ------------------------------------------------------------------ a peer dies mid-sync
+def _peer_dies(at_call, rank, world, out):
+    model = _model()
+    inner, opt = _build(model, sync_every=4, sync_moments=True)
+    _train(model, opt, rank, 3)
+    if rank == 1:   # call 1 is the moments' SUM, call 2 the consensus's count
+        real, calls = dist.all_reduce, []
+
+        def dying(tensor, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == at_call:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(tensor, *args, **kwargs)
+        dist.all_reduce = dying
+    pre = (_flat(model), *_moments(inner, model))
+    state = {}
+
+    def step_and_keep():
+        # the sync is at step 4: the inner step runs first, so keep what it left
+        inner.register_step_post_hook(lambda o, a, k: state.setdefault(
+            "after_step", (_flat(model), *_moments(inner, model))))
+        _train(model, opt, rank, 1, start=3)
+    return sync_error_verdict(
+        out, step_and_keep,
+        lambda exc: {"msg": str(exc), "restored": exc.restored, "syncs": opt.sync_count,
+                     "unchanged": all(np.array_equal(x, y) for x, y in
+                                      zip(state["after_step"], (_flat(model), *_moments(inner, model)))),
+                     "moved": not np.array_equal(pre[0], state["after_step"][0])})
+
+
+@pytest.mark.parametrize("at_call", [1, 2], ids=["in-the-moments-reduce", "after-it-in-the-consensus"])
+def test_peer_killed_mid_sync_leaves_params_and_moments_as_they_were(tmp_path, at_call):
+    out = str(tmp_path / "rank0.pt")
+    r = survivor_verdict(functools.partial(_peer_dies, at_call), out, timeout=60, collective_timeout=15)
+    assert r["msg"].startswith("flodl_opt: sync #1 failed on rank 0"), r["msg"]
+    assert r["restored"] and r["unchanged"] and r["moved"], {k: v for k, v in r.items() if k != "msg"}
+    assert r["syncs"] == 0
+
+
+# ------------------------------------------------------------------ refusals
+@pytest.mark.parametrize("make, kw, says", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), {}, "use torch.optim.Adam or AdamW"),
+    (lambda ps: torch.optim.AdamW(ps, amsgrad=True), {}, "amsgrad=False"),
+    (lambda ps: torch.optim.AdamW(ps), {"fragments": 2, "sync_every": 4}, "fragments/overlap_steps"),
+    (lambda ps: torch.optim.AdamW(ps), {"overlap_steps": 1, "sync_every": 4}, "fragments/overlap_steps"),
+])
+def test_refused_combinations_say_what_to_change(make, kw, says):
+    model = _model()
+    with pytest.raises(flo.ConfigError, match=says.replace("(", r"\(").replace("/", "/")):
+        flo.LocalSGDOptimizer(make(model.parameters()), model=model, sync_moments=True, **kw)
+    with pytest.raises(flo.ConfigError, match="True or False"):
+        flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, sync_moments=1)

@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import flodl_opt as flo  # noqa: E402
 from flodl_opt.adaptive import DRIFT_BYTES, CohortDrift  # noqa: E402
 from flodl_opt.flat import aligned_offsets  # noqa: E402
+from flodl_opt.moments import denoised_moments  # noqa: E402
 import train_charlm as demo  # noqa: E402
 
 COUNT_BYTES = 7 * 8  # the sync's count tensor (float64[7]) in flodl_opt.consensus
@@ -63,13 +64,8 @@ def method_spec(name: str) -> Dict:
     Suffixes on any name: ``-lrx{S}`` trains with the inner (AdamW) lr times S, warm-up and decay
     included; ``-clip{C}`` clips each rank's gradient (all-reduce: the mean) at norm C, ``-clip0``
     not at all (default 1.0, the demo's); ``-avgm`` also averages the inner AdamW first moments at every sync, ``-avgmv`` both moments,
-    ``-avgmvc`` both, with the second moment's excess noise taken out: each rank's ``v`` summed the
-    squares of its own quarter-batch gradients over the window, (1 - b2^K) s^2 more than the
-    cohort's mean gradient would have put there, s^2 in excess by (1 - 1/M); s^2, the per-rank
-    gradient noise, is read from the spread of the ranks' first moments (Var m_i = s^2 (1 - b1)
-    (1 - b1^2K) / (1 + b1) for a window that started from a shared m). So
-    ``v = mean(v_i) - (1 - b2^K)(1 - 1/M) s^2``, floored at ``mean(v_i) / M``. At K=1 it is
-    exactly the second moment of the averaged gradient.
+    ``-avgmvc`` both, the second with each rank's small-batch noise excess taken out: the library's
+    ``sync_moments=True`` (flodl_opt/moments.py has the formula and why; equal weights here).
     """
     parts = name.split("-")
     spec = {"name": name, "kind": "local", "k": 1, "warmup": 0, "outer": None, "wd": 0.01, "ranks": None,
@@ -126,11 +122,10 @@ def method_spec(name: str) -> Dict:
 def denoised_second_moment(m: torch.Tensor, v: torch.Tensor, window: int, b1: float = 0.9,
                            b2: float = 0.99) -> torch.Tensor:
     """``-avgmvc``'s shared AdamW second moment from the ranks' moments ``[M, N]`` after a window of
-    ``window`` steps that began from shared moments (the formula is in method_spec's docstring)."""
+    ``window`` steps that began from shared moments: the library's ``sync_moments=True`` formula
+    (flodl_opt/moments.py) with equal weights."""
     M = m.shape[0]
-    noise = m.var(0) * ((1 + b1) / ((1 - b1) * (1 - b1 ** (2 * window))))
-    vbar = v.mean(0)
-    return torch.maximum(vbar - ((1 - b2 ** window) * (1 - 1 / M)) * noise, vbar / M)
+    return denoised_moments(m.mean(0), (m * m).mean(0), v.mean(0), 1.0 / M, window, b1, b2)[1]
 
 
 def build_outer(spec: Dict):
@@ -343,7 +338,8 @@ def simulate(args) -> Dict:
                     v[rows] = v[rows].mean(0, keepdim=True)
                 m[rows] = m[rows].mean(0, keepdim=True)
         g["syncs"] += 1
-        g["bytes"] += sync_bytes + (N * 4 * (1 if g["avg_m"] == "m" else 2) if g["avg_m"] else 0)   # + moments
+        extra = {"m": 1, "mv": 2, "mvc": 3}.get(g["avg_m"] or "", 0)   # mvc: m, m^2 and v, as the library sends
+        g["bytes"] += sync_bytes + N * 4 * extra
         g["since"] = 0
 
     ar_groups = [g for g in groups if g["kind"] == "allreduce"]

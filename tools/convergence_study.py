@@ -142,7 +142,9 @@ def cells(plan: str) -> List[Dict]:
         cell("wide-r4-s16384-vc", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgmvc",
                                                    "sync-k1-avgmvc"], wide + ["--seeds", "0,100,200,300,400,500"])
         cell("wide-r4-s16384-clipwd", DEMO, 4, 16384, ["allreduce", "allreduce-clip0", "sync-k1-clip0",
-                                                       "localsgd-k16-clip0"], wide)
+                                                       "localsgd-k16-clip0", "diloco-h64-avgmvc"], wide)
+        # where the target already held: does it cost anything at 2 ranks?
+        cell("wide-r2-s16384-vc", DEMO, 2, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgmvc"], wide)
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])

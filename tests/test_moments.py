@@ -144,8 +144,18 @@ def _defaults_run(rank, world, base_dir):
     return out
 
 
+def _join_run(rank, world):
+    """Uneven data: ranks run out after 9, 14 and 5 steps; join() ends them on one consensus."""
+    model = _model()
+    inner, opt = _build(model, sync_every=4, sync_moments=True)
+    with opt.join():
+        _train(model, opt, rank, (9, 14, 5)[rank])
+    return {"params": _flat(model), "moments": _moments(inner, model), "steps": opt.local_steps}
+
+
 def _all(rank, world, base_dir):
-    return {"reference": _reference_run(rank, world), "one_step": _one_step_run(rank, world),
+    return {"join": _join_run(rank, world),
+            "reference": _reference_run(rank, world), "one_step": _one_step_run(rank, world),
             "resume": _resume_run(rank, world), "nonfinite": _nonfinite_run(rank, world),
             "defaults": _defaults_run(rank, world, base_dir)}
 
@@ -223,6 +233,15 @@ def test_nonfinite_rank_gets_no_vote_and_the_others_share_their_moments(shared):
         np.testing.assert_allclose(r["moments"][0], m_ref, rtol=1e-5, atol=1e-7 * np.abs(m_ref).max())
         np.testing.assert_allclose(r["moments"][1], v_ref, rtol=1e-5, atol=1e-6 * np.abs(v_ref).max())
     assert all(np.array_equal(x, y) for r in (b, c) for x, y in zip(a["moments"], r["moments"]))
+
+
+def test_join_with_uneven_data_ends_with_identical_params_and_moments(shared):
+    res, _ = shared
+    assert [r["join"]["steps"] for r in res] == [9, 14, 5]
+    for r in res[1:]:
+        assert np.array_equal(r["join"]["params"], res[0]["join"]["params"])
+        assert all(np.array_equal(x, y) for x, y in zip(r["join"]["moments"], res[0]["join"]["moments"]))
+    assert all(np.isfinite(x).all() for x in res[0]["join"]["moments"])
 
 
 def test_default_is_bit_identical_to_the_commit_before_the_option(shared):

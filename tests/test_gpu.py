@@ -775,3 +775,57 @@ def test_gloo_cuda_gradient_buckets_equal_the_concatenated_batch():
         for calls, in_backward in counts:
             assert calls == n_buckets and in_backward >= 2, counts
     assert (out[1][0] == out[0][0]).all()
+
+
+# ------------------------------------------------------------------ sync_moments on CUDA tensors
+def rank_moments_cuda(rank, world):
+    """Fused AdamW on cuda:0 (Gloo ranks sharing it), unequal work, the moments before and after."""
+    import test_moments as tm
+    dev = _gdev()
+    model = _mlp_cuda(dev)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(tm.B1, tm.B2), fused=True)
+    opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=10 ** 9, sync_moments=True,
+                                stall_warning_s=None)
+
+    def moments():
+        st = [inner.state[p] for p in model.parameters()]
+        return tuple(torch.cat([s[k].double().reshape(-1) for s in st]).cpu().numpy()
+                     for k in ("exp_avg", "exp_avg_sq"))
+    steps = (3, 5, 4)[rank]
+    for t in range(1, steps + 1):
+        g = torch.Generator().manual_seed(1000 * rank + t)
+        x = torch.randn(8, 6, generator=g).to(dev)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    pre = gather_object((moments(), steps))
+    opt.sync()
+    return {"pre": pre, "post": moments()}
+
+
+def test_gloo_cuda_sync_moments_match_float64():
+    import numpy as np
+    import test_moments as tm
+    out = run_ranks(rank_moments_cuda, 3, timeout=180, collective_timeout=60)
+    m_ref, v_ref = tm._formula(out[0]["pre"])
+    for r in out:
+        np.testing.assert_allclose(r["post"][0], m_ref, rtol=1e-5, atol=1e-7 * np.abs(m_ref).max())
+        np.testing.assert_allclose(r["post"][1], v_ref, rtol=1e-5, atol=1e-6 * np.abs(v_ref).max())
+        assert all(np.array_equal(a, b) for a, b in zip(r["post"], out[0]["post"]))
+
+
+def test_nccl_sync_moments_world_of_one_forced_keeps_the_moments(nccl_one):
+    """The NCCL path of the moments' SUM (a group of one, forced): one voter, nothing to denoise."""
+    model = _mlp_cuda(nccl_one)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=4, sync_moments=True, stall_warning_s=None)
+    opt._moments.distributed = True
+    for t in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 6, device=nccl_one)).pow(2).mean().backward()
+        opt.step()
+    before = [inner.state[p][k].clone() for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
+    stats = opt.sync()
+    after = [inner.state[p][k] for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert stats.bytes >= opt._moments.bytes_per_sync

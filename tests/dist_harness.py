@@ -217,3 +217,10 @@ def load_base(base_dir: str):
         return importlib.import_module("flodl_opt_base")
     finally:
         sys.path.remove(base_dir)
+
+
+def run_with_base(fn: Callable, world_size: int, tmp_dir, commit: str, timeout: float = 150.0):
+    """``run_ranks(fn, world_size, base_dir)`` with ``commit``'s package extracted for it (or None):
+    ``(results, base_dir)``."""
+    base = base_package(tmp_dir, commit)
+    return run_ranks(fn, world_size, base, timeout=timeout), base

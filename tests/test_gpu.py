@@ -571,6 +571,18 @@ def _mlp_cuda(dev):
     return nn.Sequential(*mods).to(dev)
 
 
+def _train_cuda(model, opt, rank, steps, dev, after=None):
+    """The rank's batches (seeded by rank and step) on ``dev``; ``after(t)`` follows step t."""
+    for t in range(1, steps + 1):
+        g = torch.Generator().manual_seed(1000 * rank + t)
+        x = torch.randn(8, 6, generator=g).to(dev)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        if after is not None:
+            after(t)
+
+
 def _params_np(model):
     return [_cpu64(p) for p in model.parameters()]
 
@@ -591,13 +603,7 @@ def rank_stream_merge_cuda(rank, world, sync_every, fragments, tau, steps):
         pre[step[0]] = _params_np(model)
     inner.register_step_post_hook(hook)
     with _side_stream(dev):
-        for t in range(1, steps + 1):
-            g = torch.Generator().manual_seed(1000 * rank + t)
-            x = torch.randn(8, 6, generator=g).to(dev)
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
-            post[t] = _params_np(model)
+        _train_cuda(model, opt, rank, steps, dev, after=lambda t: post.__setitem__(t, _params_np(model)))
     opt.sync()   # from the default stream: drain + blocking sync of every fragment
     final = [p.detach().cpu() for p in model.parameters()]
     same = all(torch.equal(a, b) for a, b in zip(gather_object(final)[0], final))
@@ -792,12 +798,7 @@ def rank_moments_cuda(rank, world):
         return tuple(torch.cat([s[k].double().reshape(-1) for s in st]).cpu().numpy()
                      for k in ("exp_avg", "exp_avg_sq"))
     steps = (3, 5, 4)[rank]
-    for t in range(1, steps + 1):
-        g = torch.Generator().manual_seed(1000 * rank + t)
-        x = torch.randn(8, 6, generator=g).to(dev)
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        opt.step()
+    _train_cuda(model, opt, rank, steps, dev)
     pre = gather_object((moments(), steps))
     opt.sync()
     return {"pre": pre, "post": moments()}

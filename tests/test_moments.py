@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flodl_opt as flo
-from dist_harness import base_package, gather_object, load_base, run_ranks, survivor_verdict, sync_error_verdict
+from dist_harness import gather_object, load_base, run_with_base, survivor_verdict, sync_error_verdict
 
 BASE_COMMIT = "69c32cb"   # the last commit without sync_moments
 B1, B2 = 0.9, 0.95
@@ -162,8 +162,7 @@ def _all(rank, world, base_dir):
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    base = base_package(tmp_path_factory.mktemp("base"), BASE_COMMIT)
-    return run_ranks(_all, 3, base, timeout=150), base
+    return run_with_base(_all, 3, tmp_path_factory.mktemp("base"), BASE_COMMIT)
 
 
 # ------------------------------------------------------------------ the float64 references

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flodl_opt as flo
-from dist_harness import base_package, gather_object, load_base, run_ranks, survivor_verdict, sync_error_verdict
+from dist_harness import load_base, run_with_base, survivor_verdict, sync_error_verdict
 
 # The commit this mode was built on: its blocking sync is what the defaults must reproduce bit for bit.
 BASE_COMMIT = "1e44889"
@@ -205,8 +205,7 @@ def _all_scenarios(rank, world, base_dir):
 
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory):
-    base = base_package(tmp_path_factory.mktemp("base"), BASE_COMMIT)
-    return run_ranks(_all_scenarios, 2, base, timeout=150), base
+    return run_with_base(_all_scenarios, 2, tmp_path_factory.mktemp("base"), BASE_COMMIT)
 
 
 # ------------------------------------------------------------------ tests

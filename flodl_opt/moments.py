@@ -26,7 +26,6 @@ three scalars, issued before the param consensus and written only after it succe
 either leaves the moments and (with the pre-sync copy) the params as they were. The bytes: three
 times the params' (a sync moves 4x the bytes of the plain one).
 """
-import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -59,11 +58,13 @@ class MomentSync:
                                     sync_every=16, sync_moments=True)
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], gamma: float,
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                 param_flats: Sequence[torch.Tensor], gamma: float,
                  process_group: Optional[dist.ProcessGroup], comm_device: torch.device,
                  distributed: bool, rank: int):
-        check_optimizer(optimizer)
+        """``optimizer`` passed ``check_optimizer``; ``param_flats`` are the flat buffers ``params`` live in."""
         self.optimizer, self.params, self.gamma = optimizer, list(params), float(gamma)
+        self.param_flats = list(param_flats)  # a few buffers: the finite check reads one flag each
         betas = {}
         for g in optimizer.param_groups:
             for p in g["params"]:
@@ -101,7 +102,7 @@ class MomentSync:
                     buf[2 * n + off:2 * n + off + k].copy_(v)
                     off += k
                 if not bool(torch.isfinite(buf[:3 * n]).all()) or \
-                        not all(bool(torch.isfinite(p).all()) for p in self.params):
+                        not all(bool(torch.isfinite(f).all()) for f in self.param_flats):
                     w = 0.0  # NaN/Inf moments or params: no vote (the non-finite guard)
                     buf.zero_()
                 else:
@@ -125,18 +126,18 @@ class MomentSync:
         if total <= 0.0:
             return  # nobody voted (all idle or non-finite): every rank keeps its own
         states = self._states()
+        if states is None:
+            return  # this rank's state was reset (non-finite): Adam starts it afresh, as without the option
         with torch.no_grad():
             buf[:3 * n].div_(total)
             w2, window = total_sq / (total * total), window_sum / total
             off = 0
-            for i, p in enumerate(self.params):
-                k = p.numel()
-                if states is not None:
-                    b1, b2 = self.betas[i]
-                    m, v = denoised_moments(buf[off:off + k], buf[n + off:n + off + k],
-                                            buf[2 * n + off:2 * n + off + k], w2, window, b1, b2)
-                    states[i]["exp_avg"].copy_(m.view_as(states[i]["exp_avg"]))
-                    states[i]["exp_avg_sq"].copy_(v.view_as(states[i]["exp_avg_sq"]))
+            for st, (b1, b2) in zip(states, self.betas):
+                k = st["exp_avg"].numel()
+                m, v = denoised_moments(buf[off:off + k], buf[n + off:n + off + k],
+                                        buf[2 * n + off:2 * n + off + k], w2, window, b1, b2)
+                st["exp_avg"].copy_(m.view_as(st["exp_avg"]))
+                st["exp_avg_sq"].copy_(v.view_as(st["exp_avg_sq"]))
                 off += k
 
 
@@ -150,5 +151,5 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             raise ConfigError("sync_moments=True does not cover AMSGrad's running maximum: build the "
                               "inner Adam/AdamW with amsgrad=False, or drop sync_moments")
         b1, b2 = g["betas"]
-        if not (0.0 <= float(b1) < 1.0 and 0.0 <= float(b2) < 1.0) or not math.isfinite(float(b1)):
+        if not (0.0 <= float(b1) < 1.0 and 0.0 <= float(b2) < 1.0):   # NaN fails the range too
             raise ConfigError(f"sync_moments=True needs betas in [0, 1), got {g['betas']!r}")

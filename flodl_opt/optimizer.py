@@ -182,8 +182,9 @@ class LocalSGDOptimizer(WrappedOptimizer):
             gloo_chunk_bytes=gloo_chunk_bytes)
         self._moments: Optional[MomentSync] = None  # None: each rank keeps its own inner moments
         if sync_moments:
-            self._moments = MomentSync(optimizer, self._params, self.gamma, process_group,
-                                       self._consensus.comm_device, self._consensus.distributed, self._rank)
+            self._moments = MomentSync(optimizer, self._params, [g.flat for g in self._param_groups_flat],
+                                       self.gamma, process_group, self._consensus.comm_device,
+                                       self._consensus.distributed, self._rank)
         if group_size > 1:
             self._check_same_everywhere()
             if broadcast_initial:

@@ -333,7 +333,8 @@ def simulate(args) -> Dict:
             if g["avg_m"]:   # first moments are linear in the gradients: their mean is all-reduce's
                 m, v = inner.state[flat]["exp_avg"], inner.state[flat]["exp_avg_sq"]
                 if g["avg_m"] == "mvc":
-                    v[rows] = denoised_second_moment(m[rows], v[rows], max(1, g["since"]))
+                    v[rows] = denoised_second_moment(m[rows], v[rows], max(1, g["since"]),
+                                                     *inner.param_groups[0]["betas"])
                 elif g["avg_m"] == "mv":
                     v[rows] = v[rows].mean(0, keepdim=True)
                 m[rows] = m[rows].mean(0, keepdim=True)

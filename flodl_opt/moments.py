@@ -1,6 +1,9 @@
-"""The inner Adam/AdamW moments at a sync: averaged, the second moment's excess noise taken out.
+"""The inner Adam/AdamW second moment without each rank's small-batch noise excess.
 
-``LocalSGDOptimizer(..., sync_moments=True)``.
+Two ways, one cause (below): ``LocalSGDOptimizer(..., denoise_moments=True)`` corrects every
+rank's own second moment at every step and sends nothing (``LocalDenoise``);
+``sync_moments=True`` shares both moments at every sync, the excess taken out there
+(``MomentSync``, 4x the sync's bytes).
 
 Why. Between syncs every rank's AdamW sees only its own share of the batch. Its second moment
 ``v_i`` sums the squares of those small-batch gradients, so where the gradient noise dominates it is
@@ -25,6 +28,21 @@ gradient (tested in float64). Everything rides one fused float32 SUM of ``[w m, 
 three scalars, issued before the param consensus and written only after it succeeds, so a failure of
 either leaves the moments and (with the pre-sync copy) the params as they were. The bytes: three
 times the params' (a sync moves 4x the bytes of the plain one).
+
+Locally, at every step (``denoise_moments=True``). A rank can measure its own gradient noise
+without its peers: with ``m`` its first moment before the step, ``g - m`` is the new gradient's noise
+minus ``m``'s, ``E[(g - m)^2] = s^2 (1 + (1 - b1)/(1 + b1)) = 2 s^2 / (1 + b1)`` while the mean
+gradient moves slowly against ``m``'s window of ``1/(1 - b1)`` steps. Averaged over M ranks of equal
+batches, gradient all-reduce's square carries ``s^2 / M`` of that noise. So each step adds
+
+    ``(1 - b2) * max(g^2 - c (g - m)^2, 0)``,  ``c = (1 - 1/M)(1 + b1) / 2``,
+
+to ``v`` instead of ``(1 - b2) g^2``: in expectation all-reduce's ``E[gbar^2] = mu^2 + s^2/M``. The
+clamp keeps ``v >= b2 v`` (never negative, never a NaN). The correction lands in ``v`` right after
+Adam's own step, so that step's update still sees the newest term uncorrected (weight ``1 - b2``):
+taking it out before would need ``v`` to go negative for an instant. Nothing is sent and nothing is added to the
+state: exact resume, restore on failure and every sync mode are those of plain local SGD. It
+assumes every rank's batch has the same size (M counts ranks, not samples).
 """
 from typing import List, Optional, Sequence, Tuple
 
@@ -141,15 +159,76 @@ class MomentSync:
                 off += k
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """sync_moments needs Adam's moments: ``exp_avg``/``exp_avg_sq`` and ``betas``, no AMSGrad."""
+class LocalDenoise:
+    """Takes each rank's small-batch noise excess out of its own Adam/AdamW second moment at every
+    step, with no communication (the formula above). Wraps the inner step: ``before()`` reads the
+    gradients and first moments, ``after(pending)`` corrects the second moments the step wrote.
+
+    Example (4 ranks, each ``torchrun --nproc-per-node 4 train.py``)::
+
+        opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model,
+                                    sync_every=16, denoise_moments=True)
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, world_size: int):
+        """``optimizer`` passed ``check_optimizer``; ``world_size`` the ranks whose batches all-reduce would average."""
+        self.optimizer = optimizer
+        self.shrink = 1.0 - 1.0 / max(1, int(world_size))
+        # Per param group: (params, b2, c, Adam's L2 weight decay folded into the gradient, sign)
+        self.groups = []
+        decoupled_cls = isinstance(optimizer, torch.optim.AdamW)
+        for g in optimizer.param_groups:
+            b1, b2 = (float(b) for b in g["betas"])
+            l2 = 0.0 if (decoupled_cls or g.get("decoupled_weight_decay", False)) else float(g["weight_decay"])
+            self.groups.append((g["params"], b2, self.shrink * (1.0 + b1) / 2.0, l2,
+                                -1.0 if g.get("maximize", False) else 1.0))
+
+    @property
+    def active(self) -> bool:
+        return self.shrink > 0.0   # one rank: its batch is the whole batch, nothing to take out
+
+    def before(self) -> Optional[List[Tuple[List[torch.Tensor], List[torch.Tensor]]]]:
+        """The amounts to take out of ``v`` after the step, per group (None before Adam's first step)."""
+        if not self.active:
+            return None
+        pending = []
+        with torch.no_grad():
+            for params, b2, c, l2, sign in self.groups:
+                ps = [p for p in params if p.grad is not None and "exp_avg" in self.optimizer.state.get(p, {})]
+                if not ps:
+                    continue
+                g = [p.grad for p in ps]
+                if l2 != 0.0 or sign != 1.0:  # the gradient Adam's moments see
+                    g = torch._foreach_mul(g, sign)
+                    if l2 != 0.0:
+                        torch._foreach_add_(g, ps, alpha=l2)
+                m = [self.optimizer.state[p]["exp_avg"] for p in ps]
+                dev = torch._foreach_sub(g, m)                  # g - m
+                torch._foreach_mul_(dev, dev)
+                torch._foreach_mul_(dev, c)                     # c (g - m)^2
+                sq = torch._foreach_mul(g, g)
+                torch._foreach_minimum_(dev, sq)                # never more than g^2: v stays >= b2 v
+                torch._foreach_mul_(dev, 1.0 - b2)
+                pending.append(([self.optimizer.state[p]["exp_avg_sq"] for p in ps], dev))
+        return pending or None
+
+    def after(self, pending: Optional[List[Tuple[List[torch.Tensor], List[torch.Tensor]]]]) -> None:
+        if not pending:
+            return
+        with torch.no_grad():
+            for vs, dev in pending:
+                torch._foreach_sub_(vs, dev)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, option: str = "sync_moments") -> None:
+    """``option`` needs Adam's moments: ``exp_avg``/``exp_avg_sq`` and ``betas``, no AMSGrad."""
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ConfigError(f"sync_moments=True shares Adam/AdamW moments; the inner optimizer is "
-                          f"{type(optimizer).__name__}: use torch.optim.Adam or AdamW, or drop sync_moments")
+        raise ConfigError(f"{option}=True works on Adam/AdamW moments; the inner optimizer is "
+                          f"{type(optimizer).__name__}: use torch.optim.Adam or AdamW, or drop {option}")
     for g in optimizer.param_groups:
         if g.get("amsgrad"):
-            raise ConfigError("sync_moments=True does not cover AMSGrad's running maximum: build the "
-                              "inner Adam/AdamW with amsgrad=False, or drop sync_moments")
+            raise ConfigError(f"{option}=True does not cover AMSGrad's running maximum: build the "
+                              f"inner Adam/AdamW with amsgrad=False, or drop {option}")
         b1, b2 = g["betas"]
         if not (0.0 <= float(b1) < 1.0 and 0.0 <= float(b2) < 1.0):   # NaN fails the range too
-            raise ConfigError(f"sync_moments=True needs betas in [0, 1), got {g['betas']!r}")
+            raise ConfigError(f"{option}=True needs betas in [0, 1), got {g['betas']!r}")

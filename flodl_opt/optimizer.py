@@ -44,7 +44,7 @@ from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
 from .stall import DEFAULT_STALL_WARNING_S, StallWatchdog
 from .wire import DEFAULT_WIRE_BLOCK, make_wire, wire_config
 from .streaming import Schedule, StreamingSync, round_period
-from .moments import MomentSync, check_optimizer
+from .moments import LocalDenoise, MomentSync, check_optimizer
 
 STATE_KEY = "flodl_opt"
 STATE_VERSION = 1
@@ -53,7 +53,7 @@ _STRICT_CONFIG = ("sync_every", "warmup_steps", "gamma", "outer", "wire")
 # Must agree even with strict=False (a checkpoint may hold a fragment in flight); absent = default.
 _STREAM_CONFIG = {"fragments": 1, "overlap_steps": 0}
 # Must agree with strict=True; absent from older checkpoints = default.
-_DEFAULTED_CONFIG = {"sync_moments": False}
+_DEFAULTED_CONFIG = {"sync_moments": False, "denoise_moments": False}
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -100,6 +100,9 @@ class LocalSGDOptimizer(WrappedOptimizer):
         sync_moments: also share an Adam/AdamW inner optimizer's moments at every sync, the
             second moment with the excess noise of each rank's small batch taken out, so local
             steps move as gradient all-reduce's would (flodl_opt/moments.py; 4x the sync's bytes).
+        denoise_moments: take that excess out of each rank's own Adam/AdamW second moment at
+            every step instead, measured from the rank's own gradients: nothing is sent, and it
+            works with every sync mode (flodl_opt/moments.py). Ranks' batches of equal size.
     """
 
     # GradScaler then calls step() even when it found inf/NaN, so a skipped step still ticks the
@@ -115,7 +118,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
                  nonfinite_guard: bool = True, gloo_chunk_bytes: int = DEFAULT_GLOO_CHUNK_BYTES,
                  stall_warning_s: Optional[float] = DEFAULT_STALL_WARNING_S,
                  wire: str = "fp32", wire_block: int = DEFAULT_WIRE_BLOCK, error_feedback: bool = False,
-                 sync_moments: bool = False):
+                 sync_moments: bool = False, denoise_moments: bool = False):
         _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma)
         self._adaptive: Optional[AdaptiveSync] = make_adaptive(sync_every)
         if self._adaptive is not None and not keep_presync:
@@ -144,6 +147,13 @@ class LocalSGDOptimizer(WrappedOptimizer):
             if fragments > 1 or overlap_steps > 0:
                 raise ConfigError("sync_moments=True is not supported with fragments/overlap_steps (the "
                                   "moments are shared at blocking syncs only): drop one of them")
+        if not isinstance(denoise_moments, bool):
+            raise ConfigError(f"denoise_moments must be True or False, got {denoise_moments!r}")
+        if denoise_moments:
+            check_optimizer(optimizer, "denoise_moments")
+            if sync_moments:
+                raise ConfigError("sync_moments=True already takes the noise excess out at every sync; "
+                                  "with denoise_moments=True it would be taken out twice: pick one")
         launch.ensure_init()
         # Share the inner optimizer's param_groups and state (flodl_opt/wrapping.py).
         self._share(optimizer)
@@ -185,6 +195,10 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self._moments = MomentSync(optimizer, self._params, [g.flat for g in self._param_groups_flat],
                                        self.gamma, process_group, self._consensus.comm_device,
                                        self._consensus.distributed, self._rank)
+        # None: each rank's Adam keeps the second moment of its own small batch
+        self._denoise: Optional[LocalDenoise] = LocalDenoise(optimizer, group_size) \
+            if denoise_moments and group_size > 1 else None
+        self._denoise_on = bool(denoise_moments)   # as configured (a world of one has nothing to take out)
         if group_size > 1:
             self._check_same_everywhere()
             if broadcast_initial:
@@ -280,6 +294,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
         skipped = scaler_says_skip(self, self._params)  # None unless GradScaler.step called us
         if skipped:
             loss = None  # inf/NaN gradients: no inner step, but the step still counts (zero work)
+        elif self._denoise is not None:
+            loss = self._denoised_inner_step(closure)
         elif self.max_grad_norm is not None:
             loss = None
             if closure is not None:
@@ -306,6 +322,20 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self._record(self._stream.on_step(worked=not skipped, active=True))
         elif self._local_steps <= self.warmup_steps or self._steps_since_sync >= self.sync_every:
             self._sync()
+        return loss
+
+    def _denoised_inner_step(self, closure: Optional[Callable[[], Any]]) -> Any:
+        """clip -> inner step, the step's second-moment noise excess taken out (flodl_opt/moments.py)."""
+        assert self._denoise is not None
+        loss = None
+        if closure is not None:  # the gradients must exist before the step reads them
+            with torch.enable_grad():
+                loss = closure()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+        pending = self._denoise.before()
+        self.optimizer.step()
+        self._denoise.after(pending)
         return loss
 
     def sync(self) -> SyncStats:
@@ -501,6 +531,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
                 "fragments": self.fragments, "overlap_steps": self.overlap_steps,
                 "outer": self.outer.name, "outer_config": self.outer.config(),
                 "max_grad_norm": self.max_grad_norm, "sync_moments": self._moments is not None,
+                "denoise_moments": self._denoise_on,
                 "wire": self._wire.config() if self._wire is not None else wire_config(),
                 "flat": [(r, d, [list(s) for s in shapes]) for r, d, shapes in
                          signature(self._param_groups_flat + self._buffer_groups_flat)]}

@@ -65,14 +65,18 @@ def method_spec(name: str) -> Dict:
     included; ``-clip{C}`` clips each rank's gradient (all-reduce: the mean) at norm C, ``-clip0``
     not at all (default 1.0, the demo's); ``-avgm`` also averages the inner AdamW first moments at every sync, ``-avgmv`` both moments,
     ``-avgmvc`` both, the second with each rank's small-batch noise excess taken out: the library's
-    ``sync_moments=True`` (flodl_opt/moments.py has the formula and why; equal weights here).
+    ``sync_moments=True`` (flodl_opt/moments.py has the formula and why; equal weights here);
+    ``-lvc`` takes the small-batch noise excess out of each rank's own second moment at every step,
+    with no communication (each rank's noise from its own ``(g - m)^2``).
     """
     parts = name.split("-")
     spec = {"name": name, "kind": "local", "k": 1, "warmup": 0, "outer": None, "wd": 0.01, "ranks": None,
-            "auto": None, "lr_scale": 1.0, "avg_m": False, "clip": 1.0}
-    while parts[-1] in ("wd0", "avgm", "avgmv", "avgmvc") or parts[-1].startswith(("lrx", "clip")):
+            "auto": None, "lr_scale": 1.0, "avg_m": False, "clip": 1.0, "lvc": False}
+    while parts[-1] in ("wd0", "avgm", "avgmv", "avgmvc", "lvc") or parts[-1].startswith(("lrx", "clip")):
         if parts[-1] == "wd0":
             spec["wd"] = 0.0
+        elif parts[-1] == "lvc":
+            spec["lvc"] = True
         elif parts[-1].startswith("clip"):
             spec["clip"] = float(parts[-1][4:]) or math.inf
         elif parts[-1].startswith("avgm"):
@@ -279,6 +283,10 @@ def simulate(args) -> Dict:
         return args.lr_floor + (1.0 - args.lr_floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     sched = torch.optim.lr_scheduler.LambdaLR(inner, lr_at)
+    lvc_rows = [g["rows"] for g in groups if g["lvc"] and g["ranks"] > 1]
+    lvc_idx = torch.tensor([r for rows in lvc_rows for r in rows], dtype=torch.long, device=dev)
+    lvc_c = torch.tensor([(1 - 1 / g["ranks"]) for g in groups if g["lvc"] and g["ranks"] > 1
+                          for _ in g["rows"]], device=dev)[:, None]
     sync_bytes = N * 4 + COUNT_BYTES
     grad_bytes = net.n_params * 4
     for g in groups:
@@ -386,7 +394,15 @@ def simulate(args) -> Dict:
             grad.mul_(((1.0 if clip is None else clip) / (norms + 1e-6)).clamp_(max=1.0))
             flat.mul_(1.0 - inner.param_groups[0]["lr"] * wd)   # AdamW's decoupled decay, per run
             before = flat.detach().clone() if scaled else None
+            excess = None
+            if len(lvc_idx) and "exp_avg" in inner.state[flat]:
+                b1, b2 = inner.param_groups[0]["betas"]
+                gl, ml = grad[lvc_idx], inner.state[flat]["exp_avg"][lvc_idx]
+                excess = torch.minimum(lvc_c * (1 + b1) / 2 * (gl - ml).square(), gl.square()) * (1 - b2)
         inner.step()
+        if excess is not None:
+            with torch.no_grad():
+                inner.state[flat]["exp_avg_sq"][lvc_idx] -= excess
         if scaled:
             with torch.no_grad():
                 flat.copy_(torch.lerp(before, flat.detach(), lr_scale))   # before + S * (after - before)

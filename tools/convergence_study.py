@@ -145,6 +145,12 @@ def cells(plan: str) -> List[Dict]:
                                                        "localsgd-k16-clip0", "diloco-h64-avgmvc"], wide)
         # where the target already held: does it cost anything at 2 ranks?
         cell("wide-r2-s16384-vc", DEMO, 2, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgmvc"], wide)
+    if plan == "wide16k-lvc":   # the same excess taken out of each rank's own second moment at every step,
+        # nothing sent (denoise_moments=True); seeds paired with wide16k-vc's cell (its plain K=16 row)
+        cell("wide-r4-s16384-lvc", DEMO, 4, 16384, ["allreduce", "localsgd-k16-lvc", "sync-k1-lvc",
+                                                    "diloco-h64-lvc"], wide + ["--seeds", "0,100,200,300,400,500"])
+        cell("wide-r2-s16384-lvc", DEMO, 2, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-lvc",
+                                                    "localsgd-k16-avgmvc"], wide)
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])
@@ -160,7 +166,7 @@ def cells(plan: str) -> List[Dict]:
              ["allreduce", "sync-k1", "localsgd-k16", "diloco-h16", "diloco-h16-paper", "one-rank"])
     if not out:
         raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, big16k, "
-                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, wide16k-vc, auto-big, all or smoke")
+                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, wide16k-vc, wide16k-lvc, auto-big, all or smoke")
     return out
 
 

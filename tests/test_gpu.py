@@ -830,3 +830,44 @@ def test_nccl_sync_moments_world_of_one_forced_keeps_the_moments(nccl_one):
     after = [inner.state[p][k] for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert stats.bytes >= opt._moments.bytes_per_sync
+
+
+# ------------------------------------------------------------------ denoise_moments on CUDA tensors
+def rank_denoise_cuda(rank, world):
+    """Fused AdamW on cuda:0 (Gloo ranks sharing it): the state before and after every step."""
+    import test_denoise as td
+    dev = _gdev()
+    model = _mlp_cuda(dev)
+    inner = torch.optim.AdamW(model.parameters(), lr=td.LR, betas=(td.B1, td.B2), eps=td.EPS,
+                              weight_decay=0.1, fused=dev.type == "cuda")
+    opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=10 ** 9, stall_warning_s=None,
+                                denoise_moments=True)
+    cpu = lambda ts: td._vec(t.detach().cpu() for t in ts)   # noqa: E731
+    steps = []
+    for t in range(1, 5):
+        g = torch.Generator().manual_seed(1000 * rank + t)
+        x = torch.randn(8, 6, generator=g).to(dev)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        ps = list(model.parameters())
+        pre = {"p": cpu(ps), "g": cpu(p.grad for p in ps)}
+        if t > 1:
+            pre["m"], pre["v"] = (cpu(inner.state[p][k] for p in ps) for k in ("exp_avg", "exp_avg_sq"))
+        opt.step()
+        steps.append((pre, {"p": cpu(ps), **{n: cpu(inner.state[p][k] for p in ps)
+                                             for n, k in (("m", "exp_avg"), ("v", "exp_avg_sq"))}}))
+    return steps
+
+
+def test_gloo_cuda_denoise_moments_match_float64():
+    import numpy as np
+    import test_denoise as td
+    out = run_ranks(rank_denoise_cuda, td.WORLD, timeout=180, collective_timeout=60)
+    for r in out:
+        for t, (pre, post) in enumerate(r, start=1):
+            p_ref, m_ref, v_ref, v_adam, _ = td._adam_step(pre, t, "adamw")
+            np.testing.assert_allclose(post["p"], p_ref, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(post["m"], m_ref, rtol=1e-5, atol=1e-7 * np.abs(m_ref).max())
+            np.testing.assert_allclose(post["v"], v_ref, rtol=1e-5, atol=1e-6 * np.abs(v_ref).max())
+            if t > 1:
+                assert np.abs(v_adam - v_ref).max() > 100 * 1e-6 * np.abs(v_ref).max()

@@ -147,8 +147,9 @@ def cells(plan: str) -> List[Dict]:
         cell("wide-r2-s16384-vc", DEMO, 2, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgmvc"], wide)
     if plan == "wide16k-lvc":   # the same excess taken out of each rank's own second moment at every step,
         # nothing sent (denoise_moments=True); seeds paired with wide16k-vc's cell (its plain K=16 row)
-        cell("wide-r4-s16384-lvc", DEMO, 4, 16384, ["allreduce", "localsgd-k16-lvc", "sync-k1-lvc",
-                                                    "diloco-h64-lvc"], wide + ["--seeds", "0,100,200,300,400,500"])
+        for i, seeds in enumerate(("0,100,200", "300,400,500")):   # one call of the lent GPU each
+            cell(f"wide-r4-s16384-lvc-p{i}", DEMO, 4, 16384, ["allreduce", "localsgd-k16-lvc", "sync-k1-lvc",
+                                                             "diloco-h64-lvc"], wide + ["--seeds", seeds])
         cell("wide-r2-s16384-lvc", DEMO, 2, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-lvc",
                                                     "localsgd-k16-avgmvc"], wide)
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)

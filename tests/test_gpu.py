@@ -828,7 +828,12 @@ def test_nccl_sync_moments_world_of_one_forced_keeps_the_moments(nccl_one):
     before = [inner.state[p][k].clone() for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
     stats = opt.sync()
     after = [inner.state[p][k] for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    # The SUM carries each moment times its rank's work weight and the mean divides it back out:
+    # on CUDA that division is a multiply by the reciprocal, so a value may move in its last bit
+    # or two (never more: two roundings). Denoising must not touch it (one voter).
+    for a, b in zip(before, after):
+        torch.testing.assert_close(b, a, rtol=3e-7, atol=0.0)
+    assert any(not torch.equal(a, 0 * a) for a in after)
     assert stats.bytes >= opt._moments.bytes_per_sync
 
 

@@ -152,6 +152,14 @@ def cells(plan: str) -> List[Dict]:
                                                              "diloco-h64-lvc"], wide + ["--seeds", seeds])
         cell("wide-r2-s16384-lvc", DEMO, 2, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-lvc",
                                                     "localsgd-k16-avgmvc"], wide)
+    if plan == "wide16k-r4grid":   # every method of the issue's grid at 4 ranks, 16k, whole stdlib, one cell
+        # per lent-GPU call (-a/-b/-c merge); DiLoCo's outer lr x momentum tuned at H=64
+        cell("wide-r4-s16384-grid-a", DEMO, 4, 16384, base_methods(16384), wide)
+        cell("wide-r4-s16384-grid-b", DEMO, 4, 16384, ["diloco-h16", "diloco-h64", "diloco-h256",
+                                                       "diloco-h64-paper"], wide)
+        cell("wide-r4-s16384-grid-c", DEMO, 4, 16384, ["diloco-h64-lr1.0-m0", "diloco-h64-lr1.4-m0",
+                                                       "diloco-h64-lr0.7-m0.5-ow8", "diloco-h64-lr1.4-m0.5-ow8"],
+             wide)
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])
@@ -167,7 +175,7 @@ def cells(plan: str) -> List[Dict]:
              ["allreduce", "sync-k1", "localsgd-k16", "diloco-h16", "diloco-h16-paper", "one-rank"])
     if not out:
         raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, big16k, "
-                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, wide16k-vc, wide16k-lvc, auto-big, all or smoke")
+                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, wide16k-vc, wide16k-lvc, wide16k-r4grid, auto-big, all or smoke")
     return out
 
 
@@ -206,7 +214,7 @@ def run_cells(plan: str, out_dir: str, jobs: int, device: str, only: str = None,
 def _cell_key(tag: str) -> str:
     """Cells split over processes (``-a``/``-b``: by method, ``-p0``, ``-p1``, ...: by seed) merge."""
     head, _, last = tag.rpartition("-")
-    return head if last in ("a", "b") or (last[:1] == "p" and last[1:].isdigit()) else tag
+    return head if last in ("a", "b", "c") or (last[:1] == "p" and last[1:].isdigit()) else tag
 
 
 def load(out_dir: str) -> Dict[str, Dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -150,6 +151,8 @@ def cells(plan: str) -> List[Dict]:
         for i, seeds in enumerate(("0,100,200", "300,400,500")):   # one call of the lent GPU each
             cell(f"wide-r4-s16384-lvc-p{i}", DEMO, 4, 16384, ["allreduce", "localsgd-k16-lvc", "sync-k1-lvc",
                                                              "diloco-h64-lvc"], wide + ["--seeds", seeds])
+        # the local correction with the first moments averaged at the sync (2x a plain sync's bytes, not 4x)
+        cell("wide-r4-s16384-lvc-b", DEMO, 4, 16384, ["localsgd-k16-avgm-lvc"], wide)
         cell("wide-r2-s16384-lvc", DEMO, 2, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-lvc",
                                                     "localsgd-k16-avgmvc"], wide)
     if plan == "wide16k-r4grid":   # every method of the issue's grid at 4 ranks, 16k, whole stdlib, one cell
@@ -237,6 +240,11 @@ def label(name: str) -> str:
     return name
 
 
+def _sd(xs: List[float]) -> float:
+    """Sample sd; NaN where a run diverged (statistics.stdev raises on a NaN in Python 3.12)."""
+    return math.nan if not all(math.isfinite(x) for x in xs) else statistics.stdev(xs)
+
+
 def summarize(cell: Dict) -> List[Dict]:
     runs = cell["runs"]
     base = {r["seed"]: r["final"]["val_loss"] for r in runs.get("allreduce", [])}
@@ -251,10 +259,10 @@ def summarize(cell: Dict) -> List[Dict]:
                 for r in rs if r["seed"] in base]
         rows.append({
             "method": name, "seeds": len(rs), "steps": rs[0]["final"]["step"],
-            "mean": statistics.fmean(finals), "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "mean": statistics.fmean(finals), "std": _sd(finals) if len(finals) > 1 else 0.0,
             "min": min(finals), "max": max(finals),
             "gap_mean": statistics.fmean(gaps) if gaps else None,
-            "gap_std": statistics.stdev(gaps) if len(gaps) > 1 else None,
+            "gap_std": _sd(gaps) if len(gaps) > 1 else None,
             "syncs": rs[0]["syncs"], "bytes": rs[0]["bytes"],
             "param_sum": statistics.fmean(r["final"]["param_sum"] for r in rs),
             "outer": rs[0].get("outer"),
@@ -307,6 +315,7 @@ def plot(tag: str, cell: Dict, path: str, keep=None) -> str:
         xs = [max(r["final"]["bytes"], 1) / 1e6 for r in rs]
         ax2.scatter(xs, [r["final"]["val_loss"] for r in rs], color=cmap(i % 20), s=14, label=label(name))
     finals = [r["final"]["val_loss"] for n in names for r in cell["runs"][n]]
+    finals = [f for f in finals if math.isfinite(f)] or [0.0]   # a diverged run has no point to scale to
     lo, hi = min(finals), max(finals)
     ax1.set_ylim(lo - 0.05, hi + 0.4)
     ax1.set_xlabel("step")

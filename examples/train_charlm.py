@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sync-moments", action="store_true",
                    help="also share AdamW's moments at every sync, the noise of each rank's small batch "
                         "taken out of the second (closer to gradient all-reduce; 4x a sync's bytes)")
+    p.add_argument("--denoise-moments", action="store_true",
+                   help="take each rank's small-batch noise out of its own AdamW second moment at every "
+                        "step (nothing sent; helps frequent syncs and short runs, see CONVERGENCE.md)")
     p.add_argument("--steps", type=int, default=512, help="optimizer steps per rank")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW lr (cosine decay to 10%%)")
@@ -212,7 +215,7 @@ def build_optimizer(args, model: nn.Module):
                                 warmup_steps=args.warmup_syncs, max_grad_norm=1.0, lr_scheduler=sched,
                                 wire=args.wire, error_feedback=args.error_feedback,
                                 fragments=args.fragments, overlap_steps=args.overlap_steps,
-                                sync_moments=args.sync_moments)
+                                sync_moments=args.sync_moments, denoise_moments=args.denoise_moments)
     return opt, None
 
 

@@ -163,6 +163,20 @@ def cells(plan: str) -> List[Dict]:
         cell("wide-r4-s16384-grid-c", DEMO, 4, 16384, ["diloco-h64-lr1.0-m0", "diloco-h64-lr1.4-m0",
                                                        "diloco-h64-lr0.7-m0.5-ow8", "diloco-h64-lr1.4-m0.5-ow8"],
              wide)
+    if plan == "wide-grid":   # the whole grid on one corpus (the whole stdlib) at every budget: 1k and
+        # 4k at 2 and 4 ranks, and 16k at 2 ranks (4 ranks, 16k: wide16k-r4grid). DiLoCo's outer step tuned at
+        # H=64 around the default for M (lr 0.7 at 2 ranks, 1.0 at 4); -a/-b/-c merge per budget.
+        tuned = {2: ["diloco-h64-lr1.0-m0", "diloco-h64-lr1.4-m0", "diloco-h64-lr1.0-m0.5-ow8",
+                     "diloco-h64-lr0.5-m0.5-ow8"],
+                 4: ["diloco-h64-lr1.0-m0", "diloco-h64-lr1.4-m0", "diloco-h64-lr0.7-m0.5-ow8",
+                     "diloco-h64-lr1.4-m0.5-ow8"]}
+        for steps, ranks in ((1024, 2), (1024, 4), (4096, 2), (4096, 4), (16384, 2)):
+            ev = ["--corpus-mb", "40"] + (["--eval-every", "512"] if steps == 16384 else [])
+            tag = f"wide-r{ranks}-s{steps}-grid"
+            cell(f"{tag}-a", DEMO, ranks, steps, base_methods(steps), ev)
+            cell(f"{tag}-b", DEMO, ranks, steps, ["diloco-h16", "diloco-h64", "diloco-h256", "diloco-h64-paper"], ev)
+            cell(f"{tag}-c", DEMO, ranks, steps, tuned[ranks] + (["localsgd-k16-lvc", "sync-k1-lvc"]
+                                                                  if steps == 16384 else []), ev)
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])
@@ -178,7 +192,7 @@ def cells(plan: str) -> List[Dict]:
              ["allreduce", "sync-k1", "localsgd-k16", "diloco-h16", "diloco-h16-paper", "one-rank"])
     if not out:
         raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, big16k, "
-                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, wide16k-vc, wide16k-lvc, wide16k-r4grid, auto-big, all or smoke")
+                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, wide16k-vc, wide16k-lvc, wide16k-r4grid, wide-grid, auto-big, all or smoke")
     return out
 
 

@@ -127,10 +127,10 @@ class DiLoCo(OuterOptimizer):
     optimizer's state after each outer step.
 
     ``lr=None`` (the default) takes the outer lr from the number of ranks ``M`` at ``setup``:
-    ``DiLoCo.default_lr(M)`` = 0.7 for M <= 2, 0.85 for M = 3, 1.0 for M >= 4. Why: the best outer
-    lr grows with M (the DiLoCo scaling-law study, Charles et al. 2025); on our char-LM at 16k steps
-    and 4 ranks, lr 1.0 beat 0.7 on 6 of 6 seeds (+2.03% against +3.12% from gradient all-reduce,
-    CONVERGENCE.md), while 0.7 stays the value measured at 2 ranks. It stays <= 1: above 1 the step
+    ``DiLoCo.default_lr(M)`` = 1.0 for M >= 2 (0.7 for one rank, where nothing was measured). Why:
+    on our char-LM at 4 ranks and 16k steps, lr 1.0 beat 0.7 on 6 of 6 seeds (+2.03% against +3.12%
+    from gradient all-reduce), and at 2 ranks on every seed at 1k, 4k and 16k steps (+6.17/+1.18/
+    +0.09% against +9.73/+3.04/+0.93%; CONVERGENCE.md). It stays <= 1: above 1 the step
     extrapolates past the consensus. The resolved value is what ``lr`` and ``config()`` report.
 
     ``warmup=N`` starts from plain averaging and reaches ``(lr, mu)`` at outer step ``N``:
@@ -165,10 +165,10 @@ class DiLoCo(OuterOptimizer):
 
     @staticmethod
     def default_lr(world_size: int) -> float:
-        """The outer lr of ``DiLoCo()`` for ``world_size`` ranks: 0.7 up to 2, 0.85 at 3, 1.0 from 4."""
+        """The outer lr of ``DiLoCo()`` for ``world_size`` ranks: 1.0 from 2 ranks, 0.7 for one."""
         if world_size < 1:
             raise ConfigError(f"DiLoCo: world_size must be >= 1, got {world_size}")
-        return 0.7 if world_size <= 2 else (0.85 if world_size == 3 else 1.0)
+        return 0.7 if world_size == 1 else 1.0
 
     def setup(self, groups, world_size: int = 1) -> None:
         if self.lr_by_ranks:

@@ -175,7 +175,9 @@ def _defaults_run(rank, world, base_dir):
             model = _model()
             inner = torch.optim.AdamW(model.parameters(), lr=LR)
             kw = {"denoise_moments": False} if name == "off" else {}
-            opt = lib.LocalSGDOptimizer(inner, model=model, sync_every=3, outer=outer, max_grad_norm=1.0,
+            # the base commit's default outer lr at 2 ranks, given explicitly: the default changed later
+            spec = outer if outer is None else lib.DiLoCo(lr=0.7)
+            opt = lib.LocalSGDOptimizer(inner, model=model, sync_every=3, outer=spec, max_grad_norm=1.0,
                                         stall_warning_s=None, **kw)
             _train(model, opt, rank, 10)
             opt.sync()

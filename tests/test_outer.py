@@ -64,7 +64,7 @@ def _reference_step(name, cfg, pre, steps, anchor, mom, rank, window=0):
 CASES = {
     "avg": (lambda: "avg", {}),
     # the defaults (changed: momentum 0.9 -> 0.5, warm-up of 8 outer steps from plain averaging)
-    "diloco": (lambda: flo.DiLoCo(), dict(lr=0.7, momentum=0.5, nesterov=True, warmup=8)),
+    "diloco": (lambda: flo.DiLoCo(), dict(lr=1.0, momentum=0.5, nesterov=True, warmup=8)),
     "diloco_paper": (lambda: flo.DiLoCo(lr=0.7, momentum=0.9, warmup=0),
                      dict(lr=0.7, momentum=0.9, nesterov=True, warmup=0)),
     "diloco_warmup2": (lambda: flo.DiLoCo(lr=0.6, momentum=0.9, warmup=2),   # reaches (lr, mu) at step 3
@@ -108,18 +108,18 @@ def test_outer_matches_float64_reference_over_syncs(case):
 STEPS_4 = [(3, 3, 1, 2), (2, 5, 0, 4), (4, 1, 3, 3), (0, 3, 2, 1), (3, 2, 5, 1)]
 
 
-@pytest.mark.parametrize("world,lr", [(3, 0.85), (4, 1.0)])
+@pytest.mark.parametrize("world,lr", [(3, 1.0), (4, 1.0)])
 def test_default_diloco_outer_lr_follows_the_number_of_ranks(world, lr):
-    """``DiLoCo()`` resolves its outer lr from the group size (0.7 at 2 ranks: the case above)."""
+    """``DiLoCo()`` resolves its outer lr from the group size (1.0 at 2 ranks: the case above)."""
     cfg = dict(CASES["diloco"][1], lr=lr)
     assert run_ranks(rank_outer_reference, world, "diloco", [s[:world] for s in STEPS_4], cfg,
                      timeout=90) == [True] * world
 
 
 def test_default_outer_lr_table_and_explicit_lr_wins():
-    assert [flo.DiLoCo.default_lr(m) for m in (1, 2, 3, 4, 8, 64)] == [0.7, 0.7, 0.85, 1.0, 1.0, 1.0]
+    assert [flo.DiLoCo.default_lr(m) for m in (1, 2, 3, 4, 8, 64)] == [0.7, 1.0, 1.0, 1.0, 1.0, 1.0]
     d = flo.DiLoCo()
-    assert d.lr == 0.7 and d.lr_by_ranks            # before setup: the 1-2 rank value
+    assert d.lr == 0.7 and d.lr_by_ranks            # before setup: the one-rank value
     explicit = flo.DiLoCo(lr=0.7)
     explicit.setup([], world_size=4)
     assert explicit.lr == 0.7 and not explicit.lr_by_ranks

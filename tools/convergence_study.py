@@ -165,7 +165,7 @@ def cells(plan: str) -> List[Dict]:
              wide)
     if plan == "wide-grid":   # the whole grid on one corpus (the whole stdlib) at every budget: 1k and
         # 4k at 2 and 4 ranks, and 16k at 2 ranks (4 ranks, 16k: wide16k-r4grid). DiLoCo's outer step tuned at
-        # H=64 around the default for M (lr 0.7 at 2 ranks, 1.0 at 4); -a/-b/-c merge per budget.
+        # H=64 around the default for M (then lr 0.7 at 2 ranks, 1.0 at 4; now 1.0 at both); -a/-b/-c merge per budget.
         tuned = {2: ["diloco-h64-lr1.0-m0", "diloco-h64-lr1.4-m0", "diloco-h64-lr1.0-m0.5-ow8",
                      "diloco-h64-lr0.5-m0.5-ow8"],
                  4: ["diloco-h64-lr1.0-m0", "diloco-h64-lr1.4-m0", "diloco-h64-lr0.7-m0.5-ow8",

@@ -224,3 +224,32 @@ def run_with_base(fn: Callable, world_size: int, tmp_dir, commit: str, timeout: 
     ``(results, base_dir)``."""
     base = base_package(tmp_dir, commit)
     return run_ranks(fn, world_size, base, timeout=timeout), base
+
+
+def option_off_runs(base_dir, option: str, run: Callable, diloco_lr: float) -> dict:
+    """``run(lib, outer, kw)`` for the option left at its default, set False, and (with ``base_dir``)
+    the base commit's package without it; with plain averaging and DiLoCo: ``{(name, outer): result}``.
+    DiLoCo gets the base commit's default outer lr explicitly: the default changed after it."""
+    import flodl_opt
+    out = {}
+    for name in ("default", "off", "base"):
+        if name == "base" and base_dir is None:
+            continue
+        lib = load_base(base_dir) if name == "base" else flodl_opt
+        for outer in (None, "diloco"):
+            spec = outer if outer is None else lib.DiLoCo(lr=diloco_lr)
+            out[(name, outer)] = run(lib, spec, {option: False} if name == "off" else {})
+    return out
+
+
+def assert_option_off_identical(results: list, base_dir) -> None:
+    """Every rank's ``option_off_runs``: the default is bit-identical to the option set False, and
+    to the base commit's package where there is one."""
+    import numpy as np
+    for r in results:
+        d = r["defaults"]
+        for outer in (None, "diloco"):
+            assert all(np.array_equal(x, y) for x, y in zip(d[("default", outer)], d[("off", outer)]))
+            if base_dir is not None:
+                assert all(np.array_equal(x, y) for x, y in zip(d[("default", outer)], d[("base", outer)]))
+

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import flodl_opt as flo
-from dist_harness import load_base, run_ranks, run_with_base
+from dist_harness import assert_option_off_identical, option_off_runs, run_ranks, run_with_base
 
 BASE_COMMIT = "1069516"   # the last commit without denoise_moments
 B1, B2, LR, EPS = 0.9, 0.95, 1e-2, 1e-8
@@ -166,23 +166,15 @@ def _modes_run(rank, world):
 
 def _defaults_run(rank, world, base_dir):
     """The default, denoise_moments=False and the base commit's optimizer: the same bits."""
-    out = {}
-    for name in ("default", "off", "base"):
-        if name == "base" and base_dir is None:
-            continue
-        lib = load_base(base_dir) if name == "base" else flo
-        for outer in (None, "diloco"):
-            model = _model()
-            inner = torch.optim.AdamW(model.parameters(), lr=LR)
-            kw = {"denoise_moments": False} if name == "off" else {}
-            # the base commit's default outer lr at 2 ranks, given explicitly: the default changed later
-            spec = outer if outer is None else lib.DiLoCo(lr=0.7)
-            opt = lib.LocalSGDOptimizer(inner, model=model, sync_every=3, outer=spec, max_grad_norm=1.0,
-                                        stall_warning_s=None, **kw)
-            _train(model, opt, rank, 10)
-            opt.sync()
-            out[(name, outer)] = (_flat(model), *_moments(inner, model))
-    return out
+    def run(lib, outer, kw):
+        model = _model()
+        inner = torch.optim.AdamW(model.parameters(), lr=LR)
+        opt = lib.LocalSGDOptimizer(inner, model=model, sync_every=3, outer=outer, max_grad_norm=1.0,
+                                    stall_warning_s=None, **kw)
+        _train(model, opt, rank, 10)
+        opt.sync()
+        return (_flat(model), *_moments(inner, model))
+    return option_off_runs(base_dir, "denoise_moments", run, diloco_lr=0.7)
 
 
 def _all(rank, world, base_dir):
@@ -275,12 +267,7 @@ def test_every_sync_mode_ends_with_identical_ranks_and_the_option_acts(ranks, mo
 
 def test_default_is_bit_identical_to_the_commit_before_the_option(ranks):
     res, base = ranks
-    for r in res:
-        d = r["defaults"]
-        for outer in (None, "diloco"):
-            assert all(np.array_equal(x, y) for x, y in zip(d[("default", outer)], d[("off", outer)]))
-            if base is not None:
-                assert all(np.array_equal(x, y) for x, y in zip(d[("default", outer)], d[("base", outer)]))
+    assert_option_off_identical(res, base)
     if base is None:
         pytest.skip(f"git has no commit {BASE_COMMIT}: compared the default with denoise_moments=False only")
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 import flodl_opt as flo
-from dist_harness import gather_object, load_base, run_with_base, survivor_verdict, sync_error_verdict
+from dist_harness import (assert_option_off_identical, gather_object, option_off_runs, run_with_base,
+                          survivor_verdict, sync_error_verdict)
 
 BASE_COMMIT = "69c32cb"   # the last commit without sync_moments
 B1, B2 = 0.9, 0.95
@@ -127,23 +128,15 @@ class _nullcontext:
 
 def _defaults_run(rank, world, base_dir):
     """The default, sync_moments=False and the base commit's optimizer: the same bits."""
-    out = {}
-    for name in ("default", "off", "base"):
-        if name == "base" and base_dir is None:
-            continue
-        lib = load_base(base_dir) if name == "base" else flo
-        for outer in (None, "diloco"):
-            model = _model()
-            inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            kw = {"sync_moments": False} if name == "off" else {}
-            # the base commit's default outer lr at 3 ranks, given explicitly: the default changed later
-            spec = outer if outer is None else lib.DiLoCo(lr=0.85)
-            opt = lib.LocalSGDOptimizer(inner, model=model, sync_every=3, outer=spec, max_grad_norm=1.0,
-                                        stall_warning_s=None, **kw)
-            _train(model, opt, rank, 10)
-            opt.sync()
-            out[(name, outer)] = (_flat(model), *_moments(inner, model))
-    return out
+    def run(lib, outer, kw):
+        model = _model()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = lib.LocalSGDOptimizer(inner, model=model, sync_every=3, outer=outer, max_grad_norm=1.0,
+                                    stall_warning_s=None, **kw)
+        _train(model, opt, rank, 10)
+        opt.sync()
+        return (_flat(model), *_moments(inner, model))
+    return option_off_runs(base_dir, "sync_moments", run, diloco_lr=0.85)
 
 
 def _join_run(rank, world):
@@ -247,12 +240,7 @@ def test_join_with_uneven_data_ends_with_identical_params_and_moments(shared):
 
 def test_default_is_bit_identical_to_the_commit_before_the_option(shared):
     res, base = shared
-    for r in res:
-        d = r["defaults"]
-        for outer in (None, "diloco"):
-            assert all(np.array_equal(x, y) for x, y in zip(d[("default", outer)], d[("off", outer)]))
-            if base is not None:
-                assert all(np.array_equal(x, y) for x, y in zip(d[("default", outer)], d[("base", outer)]))
+    assert_option_off_identical(res, base)
     assert not all(np.array_equal(x, y) for x, y in zip(res[0]["defaults"][("default", None)][1:],
                                                          res[1]["defaults"][("default", None)][1:])), \
         "without the option each rank keeps its own moments"

@@ -230,12 +230,12 @@ def option_off_runs(base_dir, option: str, run: Callable, diloco_lr: float) -> d
     """``run(lib, outer, kw)`` for the option left at its default, set False, and (with ``base_dir``)
     the base commit's package without it; with plain averaging and DiLoCo: ``{(name, outer): result}``.
     DiLoCo gets the base commit's default outer lr explicitly: the default changed after it."""
-    import flodl_opt
+    import flodl_opt as flo
     out = {}
     for name in ("default", "off", "base"):
         if name == "base" and base_dir is None:
             continue
-        lib = load_base(base_dir) if name == "base" else flodl_opt
+        lib = load_base(base_dir) if name == "base" else flo
         for outer in (None, "diloco"):
             spec = outer if outer is None else lib.DiLoCo(lr=diloco_lr)
             out[(name, outer)] = run(lib, spec, {option: False} if name == "off" else {})
@@ -252,4 +252,3 @@ def assert_option_off_identical(results: list, base_dir) -> None:
             assert all(np.array_equal(x, y) for x, y in zip(d[("default", outer)], d[("off", outer)]))
             if base_dir is not None:
                 assert all(np.array_equal(x, y) for x, y in zip(d[("default", outer)], d[("base", outer)]))
-

@@ -244,7 +244,12 @@ def test_collectives_are_differentiable(world):
 # ---------------------------------------------------------------- async handles, join, barrier
 def rank_async_join(rank, world, first_join):
     out = {}
-    handles, polled_false = [], False
+    # A 17x17 reduce can finish between post and poll (negotiation keeps ranks in step), so the
+    # asynchrony is shown on a 32 MB reduce, which takes milliseconds where poll() takes microseconds.
+    big = hvd.allreduce_async(torch.full((1 << 23,), float(rank)), op=hvd.Sum, name="big")
+    polled_false = not hvd.poll(big)
+    out["big"] = hvd.synchronize(big)[:4].double().numpy()
+    handles = []
     for i, dt in enumerate((torch.int32, torch.int64, torch.float32, torch.float64, torch.float16)):
         h = hvd.allreduce_async(torch.full((17, 17), float(i + rank), dtype=dt), op=hvd.Sum, name=f"t{i}")
         polled_false |= not hvd.poll(h)
@@ -293,6 +298,7 @@ def test_async_handles_join_and_barrier(world):
     last = world - 1 if world == 3 else 1  # the rank that ran the extra step, or the only one left
     for rank, res in enumerate(out):
         assert res["polled_false"], "poll() was never False: not asynchronous"
+        np.testing.assert_array_equal(res["big"], np.full(4, float(sum(range(world)))))
         for i, s in enumerate(res["sums"]):
             np.testing.assert_array_equal(s, np.full((17, 17), sum(float(i + r) for r in range(world))))
         np.testing.assert_array_equal(res["gathered"], np.concatenate(

@@ -177,6 +177,12 @@ def cells(plan: str) -> List[Dict]:
             cell(f"{tag}-b", DEMO, ranks, steps, ["diloco-h16", "diloco-h64", "diloco-h256", "diloco-h64-paper"], ev)
             cell(f"{tag}-c", DEMO, ranks, steps, tuned[ranks] + (["localsgd-k16-lvc", "sync-k1-lvc"]
                                                                   if steps == 16384 else []), ev)
+    if plan == "wide-grid-lr1":   # the 2-rank default (outer lr 1.0 since it was tuned at H=64) at H=16 and H=256,
+        # every budget: the one-rank floor and all-reduce are wide-grid's cells (same seeds, same runs)
+        for steps in (1024, 4096, 16384):
+            ev = ["--corpus-mb", "40"] + (["--eval-every", "512"] if steps == 16384 else [])
+            cell(f"wide-r2-s{steps}-lr1", DEMO, 2, steps,
+                 ["diloco-h16", "diloco-h256"] + (["diloco-h64"] if steps < 16384 else []), ev)
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])
@@ -192,7 +198,7 @@ def cells(plan: str) -> List[Dict]:
              ["allreduce", "sync-k1", "localsgd-k16", "diloco-h16", "diloco-h16-paper", "one-rank"])
     if not out:
         raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, big16k, "
-                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, wide16k-vc, wide16k-lvc, wide16k-r4grid, wide-grid, auto-big, all or smoke")
+                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, wide16k-vc, wide16k-lvc, wide16k-r4grid, wide-grid, wide-grid-lr1, auto-big, all or smoke")
     return out
 
 

@@ -99,6 +99,10 @@ def cells(plan: str) -> List[Dict]:
     # 16k steps on the whole stdlib (~28 MB of training text: 2-4 passes over it, not 37-74).
     # One cell at a time: cells side by side on one GPU ran 3-7x slower each (2.2-3.4 min alone).
     wide = ["--corpus-mb", "40", "--eval-every", "512"]
+
+    def wide_at(steps):   # the whole stdlib at any budget: the sim's default eval spacing below 16k
+        return wide if steps == 16384 else wide[:2]
+
     if plan == "wide16k":
         cell("wide-r2-s16384", DEMO, 2, 16384, ["allreduce", "localsgd-k16", "diloco-h64", "one-rank"], wide)
         cell("wide-r4-s16384", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "diloco-h64", "diloco-h256",
@@ -171,8 +175,8 @@ def cells(plan: str) -> List[Dict]:
                  4: ["diloco-h64-lr1.0-m0", "diloco-h64-lr1.4-m0", "diloco-h64-lr0.7-m0.5-ow8",
                      "diloco-h64-lr1.4-m0.5-ow8"]}
         for steps, ranks in ((1024, 2), (1024, 4), (4096, 2), (4096, 4), (16384, 2)):
-            ev = ["--corpus-mb", "40"] + (["--eval-every", "512"] if steps == 16384 else [])
             tag = f"wide-r{ranks}-s{steps}-grid"
+            ev = wide_at(steps)
             cell(f"{tag}-a", DEMO, ranks, steps, base_methods(steps), ev)
             cell(f"{tag}-b", DEMO, ranks, steps, ["diloco-h16", "diloco-h64", "diloco-h256", "diloco-h64-paper"], ev)
             cell(f"{tag}-c", DEMO, ranks, steps, tuned[ranks] + (["localsgd-k16-lvc", "sync-k1-lvc"]
@@ -180,9 +184,8 @@ def cells(plan: str) -> List[Dict]:
     if plan == "wide-grid-lr1":   # the 2-rank default (outer lr 1.0 since it was tuned at H=64) at H=16 and H=256,
         # every budget: the one-rank floor and all-reduce are wide-grid's cells (same seeds, same runs)
         for steps in (1024, 4096, 16384):
-            ev = ["--corpus-mb", "40"] + (["--eval-every", "512"] if steps == 16384 else [])
             cell(f"wide-r2-s{steps}-lr1", DEMO, 2, steps,
-                 ["diloco-h16", "diloco-h256"] + (["diloco-h64"] if steps < 16384 else []), ev)
+                 ["diloco-h16", "diloco-h256"] + (["diloco-h64"] if steps < 16384 else []), wide_at(steps))
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])

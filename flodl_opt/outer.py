@@ -130,8 +130,9 @@ class DiLoCo(OuterOptimizer):
     ``DiLoCo.default_lr(M)`` = 1.0 for M >= 2 (0.7 for one rank, where nothing was measured). Why:
     on our char-LM at 4 ranks and 16k steps, lr 1.0 beat 0.7 on 6 of 6 seeds (+2.03% against +3.12%
     from gradient all-reduce), and at 2 ranks on every seed at 1k, 4k and 16k steps (+6.17/+1.18/
-    +0.09% against +9.73/+3.04/+0.93%; CONVERGENCE.md). It stays <= 1: above 1 the step
-    extrapolates past the consensus. The resolved value is what ``lr`` and ``config()`` report.
+    +0.09% against +9.73/+3.04/+0.93%; CONVERGENCE.md). Against lr 0.7 and 1.4 at H=16 and H=256
+    (16k steps) it is the best at 4 ranks and within 0.3 points of the best at 2. It stays <= 1:
+    above 1 the step extrapolates past the consensus (lr 1.4 at H=16 ends 12-15% worse). The resolved value is what ``lr`` and ``config()`` report.
 
     ``warmup=N`` starts from plain averaging and reaches ``(lr, mu)`` at outer step ``N``:
     ``t = min(1, (k - 1)/N)``, ``lr_k = 1 + t*(lr - 1)``, ``mu_k = t*mu`` (so step 1 is exactly

@@ -96,3 +96,33 @@ def test_denoised_second_moment_at_one_step_is_that_of_the_mean_gradient():
     v = (1 - b2) * grads ** 2
     got = sim.denoised_second_moment(m, v, 1)
     assert bool((got >= v.mean(0) / M - 1e-15).all()) and bool((got < v.mean(0)).all())
+
+
+def _cell(path, ranks, runs):
+    cfg = {"ranks": ranks, "steps": 64, "d_model": 16, "layers": 1, "corpus_mb": 0.2, "batch_size": 4, "lr": 3e-3}
+    path.write_text(json.dumps({"config": cfg, "runs": [
+        {"name": n, "seed": s, "k": k, "outer": o, "final": {"val_loss": loss}} for n, s, k, o, loss in runs]}))
+    return str(path)
+
+
+def test_outer_lr_sweep_pairs_each_run_with_its_setups_allreduce_and_keeps_same_names_apart(tmp_path):
+    """Runs of a later cell pair by seed with an earlier cell's all-reduce of the same setup; the same method
+    name run with another outer lr stays its own row; runs with an inner option are left out."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import outer_lr_sweep as sweep
+    d07 = "DiLoCo(lr=0.7, momentum=0.5, nesterov=True, reset_inner=False, warmup=8)"
+    d10 = "DiLoCo(lr=1.0, momentum=0.5, nesterov=True, reset_inner=False, warmup=8)"
+    old = _cell(tmp_path / "old.json", 2, [("allreduce", 0, 1, None, 2.0), ("allreduce", 1, 1, None, 4.0),
+                                           ("diloco-h16", 0, 16, d07, 2.2), ("diloco-h16", 1, 16, d07, 4.0),
+                                           ("allreduce", 0, 1, None, 2.0)])
+    new = _cell(tmp_path / "new.json", 2, [("diloco-h16", 0, 16, d10, 2.1), ("diloco-h16", 1, 16, d10, 4.2),
+                                           ("diloco-h16-lvc", 0, 16, d10, 9.0)])
+    other = _cell(tmp_path / "r4.json", 4, [("allreduce", 0, 1, None, 1.0), ("diloco-h16", 0, 16, d10, 1.5)])
+    rows = sweep.rows(sweep.collect([old, new, other]))
+    got = {(r["setup"]["ranks"], r["outer_lr"]): r for r in rows}
+    assert sorted(got) == [(2, 0.7), (2, 1.0), (4, 1.0)]
+    assert got[(2, 0.7)]["gaps"] == pytest.approx([10.0, 0.0])
+    assert got[(2, 1.0)]["gaps"] == pytest.approx([5.0, 5.0])
+    assert got[(2, 1.0)]["gap_mean"] == pytest.approx(5.0) and got[(2, 1.0)]["gap_sd"] == pytest.approx(0.0)
+    assert got[(4, 1.0)]["gaps"] == pytest.approx([50.0])
+    assert "| 16 | 1 | 0.5 | 8 |" in sweep.table(rows)

@@ -186,6 +186,21 @@ def cells(plan: str) -> List[Dict]:
         for steps in (1024, 4096, 16384):
             cell(f"wide-r2-s{steps}-lr1", DEMO, 2, steps,
                  ["diloco-h16", "diloco-h256"] + (["diloco-h64"] if steps < 16384 else []), wide_at(steps))
+    if plan == "wide16k-tuned-h":   # DiLoCo's outer lr tuned at H=16 and H=256 too (wide16k-r4grid and
+        # wide-grid tuned it at H=64): the default (lr 1.0, mu 0.5, warm-up 8) against its lr neighbours at
+        # 2 and 4 ranks, and momentum at H=256; and 3 ranks, never measured (default lr 1.0 from M=2)
+        cell("wide-r4-s16384-tuned-h", DEMO, 4, 16384, ["diloco-h16-lr0.7-m0.5-ow8", "diloco-h16-lr1.4-m0.5-ow8",
+                                                        "diloco-h256-lr0.7-m0.5-ow8", "diloco-h256-lr1.4-m0.5-ow8"],
+             wide)
+        cell("wide-r2-s16384-tuned-h", DEMO, 2, 16384, ["diloco-h16-lr0.5-m0.5-ow8", "diloco-h16-lr1.4-m0.5-ow8",
+                                                        "diloco-h256-lr1.4-m0.5-ow8", "diloco-h256-lr1.0-m0.7-ow8"],
+             wide)
+        cell("wide-r3-s16384", DEMO, 3, 16384, ["allreduce", "localsgd-k16", "diloco-h64", "one-rank"], wide)
+        # the outer momentum at H=256 (mu 0.7 beat the default's 0.5 at 2 ranks above) and at H=16
+        cell("wide-r4-s16384-tuned-h-b", DEMO, 4, 16384, ["diloco-h256-lr1.0-m0.7-ow8", "diloco-h256-lr1.0-m0.9-ow8",
+                                                          "diloco-h16-lr1.0-m0.7-ow8"], wide)
+        cell("wide-r2-s16384-tuned-h-b", DEMO, 2, 16384, ["diloco-h256-lr1.0-m0.9-ow8", "diloco-h16-lr1.0-m0.3-ow8"],
+             wide)
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])
@@ -201,7 +216,7 @@ def cells(plan: str) -> List[Dict]:
              ["allreduce", "sync-k1", "localsgd-k16", "diloco-h16", "diloco-h16-paper", "one-rank"])
     if not out:
         raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, big16k, "
-                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, wide16k-vc, wide16k-lvc, wide16k-r4grid, wide-grid, wide-grid-lr1, auto-big, all or smoke")
+                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, wide16k-vc, wide16k-lvc, wide16k-r4grid, wide-grid, wide-grid-lr1, wide16k-tuned-h, auto-big, all or smoke")
     return out
 
 

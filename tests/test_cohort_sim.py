@@ -118,8 +118,12 @@ def test_outer_lr_sweep_pairs_each_run_with_its_setups_allreduce_and_keeps_same_
     new = _cell(tmp_path / "new.json", 2, [("diloco-h16", 0, 16, d10, 2.1), ("diloco-h16", 1, 16, d10, 4.2),
                                            ("diloco-h16-lvc", 0, 16, d10, 9.0)])
     other = _cell(tmp_path / "r4.json", 4, [("allreduce", 0, 1, None, 1.0), ("diloco-h16", 0, 16, d10, 1.5)])
-    rows = sweep.rows(sweep.collect([old, new, other]))
-    got = {(r["setup"]["ranks"], r["outer_lr"]): r for r in rows}
+    d09 = d10.replace("momentum=0.5", "momentum=0.9")   # a cell with its own all-reduce (another GPU) pairs with it
+    own = _cell(tmp_path / "own.json", 2, [("allreduce", 0, 1, None, 2.5), ("diloco-h16-lr1.0-m0.9", 0, 16, d09, 2.75)])
+    rows = sweep.rows(sweep.collect([old, new, other, own]))
+    got = {(r["setup"]["ranks"], r["outer_lr"], r["momentum"]): r for r in rows}
+    assert got.pop((2, 1.0, 0.9))["gaps"] == pytest.approx([10.0])
+    got = {(ranks, lr): r for (ranks, lr, _), r in got.items()}
     assert sorted(got) == [(2, 0.7), (2, 1.0), (4, 1.0)]
     assert got[(2, 0.7)]["gaps"] == pytest.approx([10.0, 0.0])
     assert got[(2, 1.0)]["gaps"] == pytest.approx([5.0, 5.0])

@@ -196,11 +196,12 @@ def cells(plan: str) -> List[Dict]:
                                                         "diloco-h256-lr1.4-m0.5-ow8", "diloco-h256-lr1.0-m0.7-ow8"],
              wide)
         cell("wide-r3-s16384", DEMO, 3, 16384, ["allreduce", "localsgd-k16", "diloco-h64", "one-rank"], wide)
-        # the outer momentum at H=256 (mu 0.7 beat the default's 0.5 at 2 ranks above) and at H=16
-        cell("wide-r4-s16384-tuned-h-b", DEMO, 4, 16384, ["diloco-h256-lr1.0-m0.7-ow8", "diloco-h256-lr1.0-m0.9-ow8",
-                                                          "diloco-h16-lr1.0-m0.7-ow8"], wide)
-        cell("wide-r2-s16384-tuned-h-b", DEMO, 2, 16384, ["diloco-h256-lr1.0-m0.9-ow8", "diloco-h16-lr1.0-m0.3-ow8"],
-             wide)
+        # the outer momentum at H=256 (mu 0.7 beat the default's 0.5 at 2 ranks above) and at H=16; each with
+        # its own all-reduce, since it may run on another GPU than the cells it extends
+        cell("wide-r4-s16384-mom-h", DEMO, 4, 16384, ["allreduce", "diloco-h256-lr1.0-m0.7-ow8",
+                                                      "diloco-h256-lr1.0-m0.9-ow8", "diloco-h16-lr1.0-m0.7-ow8"], wide)
+        cell("wide-r2-s16384-mom-h", DEMO, 2, 16384, ["allreduce", "diloco-h256-lr1.0-m0.9-ow8",
+                                                      "diloco-h16-lr1.0-m0.3-ow8"], wide)
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])

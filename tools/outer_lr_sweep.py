@@ -41,7 +41,11 @@ def _outer(text: str) -> Dict[str, float]:
 
 
 def collect(paths: List[str]) -> Dict[Tuple, Dict]:
-    """setup -> {"allreduce": {seed: loss}, "one-rank": {...}, "diloco": {(h, lr, mu, warmup): {seed: loss}}}."""
+    """setup -> {"allreduce": {seed: loss}, "one-rank": {...}, "diloco": {(h, lr, mu, warmup): {seed: (loss, ref)}}}.
+
+    A run pairs with the all-reduce of its own cell when the cell has one (``ref``; it may have run on
+    another GPU than the earlier cells), else with the first all-reduce of its setup and seed.
+    """
     groups: Dict[Tuple, Dict] = {}
     for path in paths:
         with open(path) as fh:
@@ -50,29 +54,29 @@ def collect(paths: List[str]) -> Dict[Tuple, Dict]:
             continue
         cfg = data["config"]
         key = tuple(cfg.get(k) for k in _SETUP)
-        g = groups.setdefault(key, {"allreduce": {}, "one-rank": {}, "diloco": {}, "files": set()})
-        g["files"].add(os.path.basename(path))
+        g = groups.setdefault(key, {"allreduce": {}, "one-rank": {}, "diloco": {}})
+        own = {r["seed"]: r["final"]["val_loss"] for r in data["runs"] if r["name"] == "allreduce"}
         for r in data["runs"]:
             loss = r["final"]["val_loss"]
             if r["name"] in ("allreduce", "one-rank"):
-                g[r["name"]][r["seed"]] = loss
+                g[r["name"]].setdefault(r["seed"], loss)
             elif _PLAIN.fullmatch(r["name"]) and r.get("outer"):
                 o = _outer(r["outer"])
                 cfg_key = (r["k"], o["lr"], o["momentum"], int(o["warmup"]))
-                g["diloco"].setdefault(cfg_key, {})[r["seed"]] = loss
+                g["diloco"].setdefault(cfg_key, {})[r["seed"]] = (loss, own.get(r["seed"]))
     return groups
 
 
 def rows(groups: Dict[Tuple, Dict]) -> List[Dict]:
     out = []
     for key, g in groups.items():
-        base = g["allreduce"]
         for (h, lr, mu, warm), by_seed in sorted(g["diloco"].items()):
-            seeds = sorted(s for s in by_seed if s in base)
+            base = {s: ref if ref is not None else g["allreduce"].get(s) for s, (_, ref) in by_seed.items()}
+            seeds = sorted(s for s in by_seed if base[s] is not None)
             if not seeds:
                 continue
-            gaps = [100.0 * (by_seed[s] / base[s] - 1.0) for s in seeds]
-            losses = [by_seed[s] for s in seeds]
+            losses = [by_seed[s][0] for s in seeds]
+            gaps = [100.0 * (by_seed[s][0] / base[s] - 1.0) for s in seeds]
             one = [g["one-rank"][s] for s in seeds if s in g["one-rank"]]
             out.append({"setup": dict(zip(_SETUP, key)), "H": h, "outer_lr": lr, "momentum": mu, "warmup": warm,
                         "seeds": seeds, "loss_mean": statistics.fmean(losses),

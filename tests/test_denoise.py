@@ -14,47 +14,16 @@ import copy
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import flodl_opt as flo
-from dist_harness import assert_option_off_identical, option_off_runs, run_ranks, run_with_base
+from adam_toy import adamw_option_off_runs
+from adam_toy import backward as _backward, flat as _flat, model as _model, moments as _moments, train as _train
+from adam_toy import vec as _vec
+from dist_harness import assert_option_off_identical, run_ranks, run_with_base
 
 BASE_COMMIT = "1069516"   # the last commit without denoise_moments
 B1, B2, LR, EPS = 0.9, 0.95, 1e-2, 1e-8
 WORLD = 3
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-
-
-def _backward(model, rank, t):
-    g = torch.Generator().manual_seed(1000 * rank + t)
-    x = torch.randn(8, 5, generator=g)
-    loss = (model(x) - x[:, :3]).pow(2).mean()
-    loss.backward()
-    return loss
-
-
-def _train(model, opt, rank, steps, start=0):
-    for t in range(start + 1, start + steps + 1):
-        opt.zero_grad()
-        _backward(model, rank, t)
-        opt.step()
-
-
-def _vec(ts):
-    return np.concatenate([t.detach().double().reshape(-1).numpy() for t in ts])
-
-
-def _moments(inner, model):
-    st = [inner.state[p] for p in model.parameters()]
-    return _vec(s["exp_avg"] for s in st), _vec(s["exp_avg_sq"] for s in st)
-
-
-def _flat(model):
-    return _vec(model.parameters())
 
 
 INNERS = {   # name: (builder, weight decay, decoupled, maximize, max_grad_norm)
@@ -166,15 +135,7 @@ def _modes_run(rank, world):
 
 def _defaults_run(rank, world, base_dir):
     """The default, denoise_moments=False and the base commit's optimizer: the same bits."""
-    def run(lib, outer, kw):
-        model = _model()
-        inner = torch.optim.AdamW(model.parameters(), lr=LR)
-        opt = lib.LocalSGDOptimizer(inner, model=model, sync_every=3, outer=outer, max_grad_norm=1.0,
-                                    stall_warning_s=None, **kw)
-        _train(model, opt, rank, 10)
-        opt.sync()
-        return (_flat(model), *_moments(inner, model))
-    return option_off_runs(base_dir, "denoise_moments", run, diloco_lr=0.7)
+    return adamw_option_off_runs(rank, base_dir, "denoise_moments", diloco_lr=0.7)
 
 
 def _all(rank, world, base_dir):

@@ -18,38 +18,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import flodl_opt as flo
-from dist_harness import (assert_option_off_identical, gather_object, option_off_runs, run_with_base,
+from adam_toy import adamw_option_off_runs
+from adam_toy import flat as _flat, model as _model, moments as _moments, train as _train
+from dist_harness import (assert_option_off_identical, gather_object, run_with_base,
                           survivor_verdict, sync_error_verdict)
 
 BASE_COMMIT = "69c32cb"   # the last commit without sync_moments
 B1, B2 = 0.9, 0.95
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-
-
-def _train(model, opt, rank, steps, start=0):
-    for t in range(start + 1, start + steps + 1):
-        g = torch.Generator().manual_seed(1000 * rank + t)
-        x = torch.randn(8, 5, generator=g)
-        opt.zero_grad()
-        (model(x) - x[:, :3]).pow(2).mean().backward()
-        opt.step()
-
-
-def _moments(inner, model):
-    st = [inner.state[p] for p in model.parameters()]
-    return (np.concatenate([s["exp_avg"].double().reshape(-1).numpy() for s in st]),
-            np.concatenate([s["exp_avg_sq"].double().reshape(-1).numpy() for s in st]))
-
-
-def _flat(model):
-    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()]).numpy()
 
 
 def _build(model, **kw):
@@ -128,15 +105,7 @@ class _nullcontext:
 
 def _defaults_run(rank, world, base_dir):
     """The default, sync_moments=False and the base commit's optimizer: the same bits."""
-    def run(lib, outer, kw):
-        model = _model()
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        opt = lib.LocalSGDOptimizer(inner, model=model, sync_every=3, outer=outer, max_grad_norm=1.0,
-                                    stall_warning_s=None, **kw)
-        _train(model, opt, rank, 10)
-        opt.sync()
-        return (_flat(model), *_moments(inner, model))
-    return option_off_runs(base_dir, "sync_moments", run, diloco_lr=0.85)
+    return adamw_option_off_runs(rank, base_dir, "sync_moments", diloco_lr=0.85)
 
 
 def _join_run(rank, world):

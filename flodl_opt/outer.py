@@ -132,7 +132,8 @@ class DiLoCo(OuterOptimizer):
     from gradient all-reduce), and at 2 ranks on every seed at 1k, 4k and 16k steps (+6.17/+1.18/
     +0.09% against +9.73/+3.04/+0.93%; CONVERGENCE.md). Against lr 0.7 and 1.4 at H=16 and H=256
     (16k steps) it is the best at 4 ranks and within 0.3 points of the best at 2. It stays <= 1:
-    above 1 the step extrapolates past the consensus (lr 1.4 at H=16 ends 12-15% worse). The resolved value is what ``lr`` and ``config()`` report.
+    above 1 the step extrapolates past the consensus (lr 1.4 at H=16 ends 12-15% worse). The
+    resolved value is what ``lr`` and ``config()`` report.
 
     ``warmup=N`` starts from plain averaging and reaches ``(lr, mu)`` at outer step ``N``:
     ``t = min(1, (k - 1)/N)``, ``lr_k = 1 + t*(lr - 1)``, ``mu_k = t*mu`` (so step 1 is exactly

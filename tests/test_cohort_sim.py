@@ -113,8 +113,7 @@ def test_outer_lr_sweep_pairs_each_run_with_its_setups_allreduce_and_keeps_same_
     d07 = "DiLoCo(lr=0.7, momentum=0.5, nesterov=True, reset_inner=False, warmup=8)"
     d10 = "DiLoCo(lr=1.0, momentum=0.5, nesterov=True, reset_inner=False, warmup=8)"
     old = _cell(tmp_path / "old.json", 2, [("allreduce", 0, 1, None, 2.0), ("allreduce", 1, 1, None, 4.0),
-                                           ("diloco-h16", 0, 16, d07, 2.2), ("diloco-h16", 1, 16, d07, 4.0),
-                                           ("allreduce", 0, 1, None, 2.0)])
+                                           ("diloco-h16", 0, 16, d07, 2.2), ("diloco-h16", 1, 16, d07, 4.0)])
     new = _cell(tmp_path / "new.json", 2, [("diloco-h16", 0, 16, d10, 2.1), ("diloco-h16", 1, 16, d10, 4.2),
                                            ("diloco-h16-lvc", 0, 16, d10, 9.0)])
     other = _cell(tmp_path / "r4.json", 4, [("allreduce", 0, 1, None, 1.0), ("diloco-h16", 0, 16, d10, 1.5)])

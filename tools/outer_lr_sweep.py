@@ -3,8 +3,8 @@
 The study report (``tools/convergence_study.py``) pairs runs with the all-reduce of their own cell.
 A tuning sweep added later runs in new cells on the same seeds, model and corpus, and its all-reduce
 is the earlier cell's (the same seed gives the same run). This tool reads any number of cell JSONs,
-groups them by setup (ranks, steps, model, corpus, seeds), pairs every DiLoCo run by seed with its
-group's all-reduce, and labels it by H and the outer step it actually ran (cells that ran before a
+groups them by setup (ranks, steps, model, corpus, batch, inner lr), pairs every DiLoCo run by seed
+with its group's all-reduce, and labels it by H and the outer step it actually ran (cells that ran before a
 default changed carry the same method name with another lr). It prints one table per group, writes
 the rows as JSON and, with matplotlib, plots the gap against the outer lr, one line per H and momentum.
 
@@ -86,13 +86,18 @@ def rows(groups: Dict[Tuple, Dict]) -> List[Dict]:
     return out
 
 
+def _setups(rs: List[Dict]) -> List[Dict]:
+    """The rows' setups in the order they first appear (dicts: not hashable)."""
+    out: List[Dict] = []
+    for r in rs:
+        if r["setup"] not in out:
+            out.append(r["setup"])
+    return out
+
+
 def table(rs: List[Dict]) -> str:
     lines = []
-    setups = []
-    for r in rs:
-        if r["setup"] not in setups:
-            setups.append(r["setup"])
-    for s in setups:
+    for s in _setups(rs):
         sub = [r for r in rs if r["setup"] == s]
         best = {h: min(r["gap_mean"] for r in sub if r["H"] == h) for h in {r["H"] for r in sub}}
         lines += [f"\n**{s['ranks']} ranks, {s['steps']} steps, d_model {s['d_model']}, corpus {s['corpus_mb']} MB**",
@@ -111,10 +116,7 @@ def plot(rs: List[Dict], path: str) -> None:
     plt = _plot.pyplot()
     if plt is None:
         return
-    setups = []
-    for r in rs:
-        if r["setup"] not in setups:
-            setups.append(r["setup"])
+    setups = _setups(rs)
     fig, axes = plt.subplots(1, len(setups), figsize=(5.5 * len(setups), 4.2), squeeze=False)
     for ax, s in zip(axes[0], setups):
         sub = [r for r in rs if r["setup"] == s and r["warmup"] > 0]

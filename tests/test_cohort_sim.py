@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIM = os.path.join(ROOT, "tools", "cohort_sim.py")
 TINY = ["--d-model", "16", "--heads", "2", "--layers", "1", "--context", "16", "--batch-size", "4",
         "--eval-batches", "2", "--corpus-mb", "0.2", "--steps", "60", "--eval-every", "20", "--seeds", "0,1",
-        "--methods", "allreduce,localsgd-k8,localsgd-auto,diloco-h8", "--device", "cpu", "--threads", "1"]
+        "--methods", "allreduce,localsgd-k8,localsgd-auto,diloco-h8,localsgd-k8-svc,localsgd-k4-avgmvc-me2", "--device", "cpu", "--threads", "1"]
 
 
 def _sim(tmp_path, name, *extra):
@@ -74,7 +74,9 @@ def test_each_method_suffix_sets_only_its_own_option():
     for name, changed in [("localsgd-k16-clip0", {"clip": float("inf")}), ("localsgd-k16-clip2", {"clip": 2.0}),
                           ("localsgd-k16-wd0", {"wd": 0.0}), ("localsgd-k16-lrx1.41", {"lr_scale": 1.41}),
                           ("localsgd-k16-avgmvc", {"avg_m": "mvc"}),
-                          ("localsgd-k16-avgm-clip0", {"avg_m": "m", "clip": float("inf")})]:
+                          ("localsgd-k16-avgm-clip0", {"avg_m": "m", "clip": float("inf")}),
+                          ("localsgd-k16-svc", {"svc": True}), ("localsgd-k16-avgm-svc", {"avg_m": "m", "svc": True}),
+                          ("localsgd-k16-avgmvc-me2", {"avg_m": "mvc", "m_every": 2})]:
         spec = sim.method_spec(name)
         assert {k: v for k, v in spec.items() if k != "name" and base[k] != v} == changed, name
 

@@ -67,16 +67,25 @@ def method_spec(name: str) -> Dict:
     ``-avgmvc`` both, the second with each rank's small-batch noise excess taken out: the library's
     ``sync_moments=True`` (flodl_opt/moments.py has the formula and why; equal weights here);
     ``-lvc`` takes the small-batch noise excess out of each rank's own second moment at every step,
-    with no communication (each rank's noise from its own ``(g - m)^2``).
+    with no communication (each rank's noise from its own ``(g - m)^2``); ``-svc`` takes the same
+    excess out only at the sync, all of the window's at once, from an EMA of each rank's own
+    ``(g - m)^2`` over the window (nothing sent; see ``sync``); ``-me{N}`` shares the moments of
+    ``-avgm*`` only at every N-th sync, over the window since the last share.
     """
     parts = name.split("-")
     spec = {"name": name, "kind": "local", "k": 1, "warmup": 0, "outer": None, "wd": 0.01, "ranks": None,
-            "auto": None, "lr_scale": 1.0, "avg_m": False, "clip": 1.0, "lvc": False}
-    while parts[-1] in ("wd0", "avgm", "avgmv", "avgmvc", "lvc") or parts[-1].startswith(("lrx", "clip")):
+            "auto": None, "lr_scale": 1.0, "avg_m": False, "clip": 1.0, "lvc": False, "svc": False,
+            "m_every": 1}
+    while parts[-1] in ("wd0", "avgm", "avgmv", "avgmvc", "lvc", "svc") or parts[-1].startswith(("lrx", "clip")) \
+            or (parts[-1].startswith("me") and parts[-1][2:].isdigit()):
         if parts[-1] == "wd0":
             spec["wd"] = 0.0
         elif parts[-1] == "lvc":
             spec["lvc"] = True
+        elif parts[-1] == "svc":
+            spec["svc"] = True
+        elif parts[-1].startswith("me"):
+            spec["m_every"] = int(parts[-1][2:])
         elif parts[-1].startswith("clip"):
             spec["clip"] = float(parts[-1][4:]) or math.inf
         elif parts[-1].startswith("avgm"):
@@ -287,10 +296,17 @@ def simulate(args) -> Dict:
     lvc_idx = torch.tensor([r for rows in lvc_rows for r in rows], dtype=torch.long, device=dev)
     lvc_c = torch.tensor([(1 - 1 / g["ranks"]) for g in groups if g["lvc"] and g["ranks"] > 1
                           for _ in g["rows"]], device=dev)[:, None]
+    # -svc: per row, an EMA (rate 1 - b2, as v's) of (g - m)^2, m the first moment before the step;
+    # E[(g - m)^2] = 2 s^2 / (1 + b1) while the mean gradient moves slowly against m's window
+    svc_rows = [r for g in groups if g["svc"] and g["ranks"] > 1 for r in g["rows"]]
+    svc_idx = torch.tensor(svc_rows, dtype=torch.long, device=dev)
+    noise = torch.zeros(len(svc_rows), N, device=dev) if svc_rows else None
+    noise_w = [0.0]   # 1 - b2^t: the EMA's bias correction, as Adam's
+    svc_pos = {r: i for i, r in enumerate(svc_rows)}
     sync_bytes = N * 4 + COUNT_BYTES
     grad_bytes = net.n_params * 4
     for g in groups:
-        g.update(local_steps=0, since=0, syncs=0, bytes=0, curve=[], train_sum=0.0, train_n=0,
+        g.update(local_steps=0, since=0, msince=0, syncs=0, bytes=0, curve=[], train_sum=0.0, train_n=0,
                  outer_obj=build_outer(g), pg_norm=None, outer_syncs=0,
                  auto_obj=flo.AdaptiveSync(**g["auto"]) if g["auto"] is not None else None, ks=[])
         if g["outer_obj"] is not None:
@@ -338,18 +354,27 @@ def simulate(args) -> Dict:
                     outer.step([_Group(c)], None, float(inner.param_groups[0]["lr"]) * g["lr_scale"])
                     g["outer_syncs"] += 1
             flat.detach()[rows] = c
-            if g["avg_m"]:   # first moments are linear in the gradients: their mean is all-reduce's
+            share = bool(g["avg_m"]) and (g["syncs"] + 1) % g["m_every"] == 0
+            b1, b2 = inner.param_groups[0]["betas"]
+            if g["svc"] and "exp_avg_sq" in inner.state[flat]:   # each rank's own window excess, nothing sent
+                v = inner.state[flat]["exp_avg_sq"]
+                idx = svc_idx[[svc_pos[r] for r in g["rows"]]]
+                s2 = noise[[svc_pos[r] for r in g["rows"]]] / max(noise_w[0], 1e-12) * (1 + b1) / 2
+                excess = (1 - b2 ** max(1, g["since"])) * (1 - 1 / g["ranks"]) * s2
+                v[idx] = torch.maximum(v[idx] - excess, v[idx] / g["ranks"])
+            if share:   # first moments are linear in the gradients: their mean is all-reduce's
                 m, v = inner.state[flat]["exp_avg"], inner.state[flat]["exp_avg_sq"]
                 if g["avg_m"] == "mvc":
-                    v[rows] = denoised_second_moment(m[rows], v[rows], max(1, g["since"]),
-                                                     *inner.param_groups[0]["betas"])
+                    v[rows] = denoised_second_moment(m[rows], v[rows], max(1, g["msince"]), b1, b2)
                 elif g["avg_m"] == "mv":
                     v[rows] = v[rows].mean(0, keepdim=True)
                 m[rows] = m[rows].mean(0, keepdim=True)
         g["syncs"] += 1
-        extra = {"m": 1, "mv": 2, "mvc": 3}.get(g["avg_m"] or "", 0)   # mvc: m, m^2 and v, as the library sends
+        extra = {"m": 1, "mv": 2, "mvc": 3}.get(g["avg_m"] or "", 0) if share else 0   # mvc: m, m^2, v
         g["bytes"] += sync_bytes + N * 4 * extra
         g["since"] = 0
+        if share:
+            g["msince"] = 0
 
     ar_groups = [g for g in groups if g["kind"] == "allreduce"]
     local_groups = [g for g in groups if g["kind"] == "local"]
@@ -365,6 +390,9 @@ def simulate(args) -> Dict:
             gen.set_state(gs.cpu())   # map_location moved the CPU generators' states too
         for g, saved in zip(groups, st["groups"]):
             g.update(saved)
+        if noise is not None:
+            noise.copy_(st["noise"])
+            noise_w[0] = st["noise_w"]
         first, t0 = st["step"] + 1, t0 - st["elapsed"]
         print(f"cohort_sim: resumed at step {st['step']} from {args.state}", flush=True)
     else:
@@ -377,7 +405,8 @@ def simulate(args) -> Dict:
                 tmp = args.state + ".tmp"
                 torch.save({"step": step - 1, "flat": flat.detach(), "inner": inner.state_dict(),
                             "sched": sched.state_dict(), "gens": [gen.get_state() for gen in gens],
-                            "groups": groups, "elapsed": time.perf_counter() - t0}, tmp)
+                            "groups": groups, "elapsed": time.perf_counter() - t0,
+                            "noise": noise, "noise_w": noise_w[0]}, tmp)
                 os.replace(tmp, args.state)
                 print(f"cohort_sim: time limit, state at step {step - 1} saved to {args.state}", flush=True)
             return pack(groups, net, t0, partial=True)
@@ -399,6 +428,10 @@ def simulate(args) -> Dict:
                 b1, b2 = inner.param_groups[0]["betas"]
                 gl, ml = grad[lvc_idx], inner.state[flat]["exp_avg"][lvc_idx]
                 excess = torch.minimum(lvc_c * (1 + b1) / 2 * (gl - ml).square(), gl.square()) * (1 - b2)
+            if noise is not None and "exp_avg" in inner.state[flat]:
+                b2 = inner.param_groups[0]["betas"][1]
+                noise.mul_(b2).add_((grad[svc_idx] - inner.state[flat]["exp_avg"][svc_idx]).square(), alpha=1 - b2)
+                noise_w[0] = 1 - (1 - noise_w[0]) * b2
         inner.step()
         if excess is not None:
             with torch.no_grad():
@@ -417,6 +450,7 @@ def simulate(args) -> Dict:
         for g in local_groups:
             g["local_steps"] += 1
             g["since"] += 1
+            g["msince"] += 1
             if g["local_steps"] <= g["warmup"] or g["since"] >= g["k"] or \
                     (step == args.steps and g["since"] > 0):
                 sync(g)
@@ -439,7 +473,8 @@ def pack(groups, net, t0, partial: bool) -> Dict:
     out_groups = []
     for g in groups:
         out_groups.append({k: g[k] for k in ("name", "kind", "k", "warmup", "wd", "seed", "ranks", "syncs",
-                                             "bytes", "curve", "outer_syncs", "ks", "lr_scale", "avg_m", "clip")}
+                                             "bytes", "curve", "outer_syncs", "ks", "lr_scale", "avg_m", "clip",
+                                             "lvc", "svc", "m_every") if k in g}
                           | {"outer": repr(g["outer_obj"]) if g["outer_obj"] is not None else None,
                              "final": g["curve"][-1]})
     return {"config": {**vars(args), "params": net.n_params, "flat_numel": net.numel, "replicas": net.R,

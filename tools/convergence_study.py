@@ -202,6 +202,14 @@ def cells(plan: str) -> List[Dict]:
                                                       "diloco-h256-lr1.0-m0.9-ow8", "diloco-h16-lr1.0-m0.7-ow8"], wide)
         cell("wide-r2-s16384-mom-h", DEMO, 2, 16384, ["allreduce", "diloco-h256-lr1.0-m0.9-ow8",
                                                       "diloco-h16-lr1.0-m0.3-ow8"], wide)
+    if plan == "wide16k-k16v":   # 4 ranks, K=16: the second moment's noise excess taken out at the sync
+        # from each rank's own noise (-svc, nothing sent), with the first moments shared (-avgm-svc, 2x a sync's
+        # bytes), and sync_moments (-avgmvc, 4x) at every sync against every second sync (-me2, 2.5x)
+        cell("wide-r4-s16384-k16v", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgmvc",
+                                                     "localsgd-k16-svc", "localsgd-k16-avgm-svc",
+                                                     "localsgd-k16-avgmvc-me2"], wide)
+        cell("wide-r4-s16384-k16v-b", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-svc",
+                                                       "localsgd-k16-avgmvc-me2"], wide + ["--seeds", "300,400,500"])
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])
@@ -217,7 +225,7 @@ def cells(plan: str) -> List[Dict]:
              ["allreduce", "sync-k1", "localsgd-k16", "diloco-h16", "diloco-h16-paper", "one-rank"])
     if not out:
         raise SystemExit(f"convergence study: unknown plan {plan!r}; use demo2, demo4, big, long, big16k, "
-                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, wide16k-vc, wide16k-lvc, wide16k-r4grid, wide-grid, wide-grid-lr1, wide16k-tuned-h, auto-big, all or smoke")
+                         "wide16k, wide16k-grid, big16k-wide, wide16k-r4, wide16k-lr, wide16k-vc, wide16k-lvc, wide16k-r4grid, wide-grid, wide-grid-lr1, wide16k-tuned-h, wide16k-k16v, auto-big, all or smoke")
     return out
 
 

@@ -29,6 +29,12 @@ three scalars, issued before the param consensus and written only after it succe
 either leaves the moments and (with the pre-sync copy) the params as they were. The bytes: three
 times the params' (a sync moves 4x the bytes of the plain one).
 
+Every N-th sync (``sync_moments_every=N``). Between shares every rank keeps its own moments, and the
+window above is the steps since the last share (the moments all started it equal), so the same
+formula holds over N syncs. The excess re-enters ``v`` at ``1 - b2^t`` after t steps, so with
+b2 = 0.99 and K = 16 most of the gain stays at N = 2 (CONVERGENCE.md): a sync's bytes average
+``1 + 3/N`` times the plain one's.
+
 Locally, at every step (``denoise_moments=True``). A rank can measure its own gradient noise
 without its peers: with ``m`` its first moment before the step, ``g - m`` is the new gradient's noise
 minus ``m``'s, ``E[(g - m)^2] = s^2 (1 + (1 - b1)/(1 + b1)) = 2 s^2 / (1 + b1)`` while the mean
@@ -79,9 +85,12 @@ class MomentSync:
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                  param_flats: Sequence[torch.Tensor], gamma: float,
                  process_group: Optional[dist.ProcessGroup], comm_device: torch.device,
-                 distributed: bool, rank: int):
-        """``optimizer`` passed ``check_optimizer``; ``param_flats`` are the flat buffers ``params`` live in."""
+                 distributed: bool, rank: int, every: int = 1):
+        """``optimizer`` passed ``check_optimizer``; ``param_flats`` are the flat buffers ``params`` live in;
+        ``every``: share at syncs number N, 2N, ... only."""
         self.optimizer, self.params, self.gamma = optimizer, list(params), float(gamma)
+        self.every = int(every)
+        self.window = 0   # this rank's steps in the syncs since the last share (those done, not this one)
         self.param_flats = list(param_flats)  # a few buffers: the finite check reads one flag each
         betas = {}
         for g in optimizer.param_groups:
@@ -101,10 +110,25 @@ class MomentSync:
             return None
         return states
 
+    def due(self, sync_number: int) -> bool:
+        return sync_number % self.every == 0
+
+    def done(self, steps: int, shared: bool) -> None:
+        """After a consensus that succeeded: a share starts the next window, a plain sync extends it."""
+        self.window = 0 if shared else self.window + steps
+
+    def state_dict(self) -> dict:
+        return {"window": self.window}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        self.window = int(state["window"]) if state else 0
+
     def reduce(self, steps: int, sync_number: int) -> Optional[torch.Tensor]:
-        """Issue the SUM; returns the reduced buffer (nothing is written yet), or None (world of one)."""
+        """Issue the SUM; returns the reduced buffer (nothing is written yet), or None (world of one).
+        ``steps``: this rank's work since the last sync; the window adds the syncs since the last share."""
         if not self.distributed:
             return None
+        steps = self.window + steps
         states = self._states()
         w = gamma_mass(steps, self.gamma) if states is not None else 0.0
         n = self.numel

@@ -53,7 +53,7 @@ _STRICT_CONFIG = ("sync_every", "warmup_steps", "gamma", "outer", "wire")
 # Must agree even with strict=False (a checkpoint may hold a fragment in flight); absent = default.
 _STREAM_CONFIG = {"fragments": 1, "overlap_steps": 0}
 # Must agree with strict=True; absent from older checkpoints = default.
-_DEFAULTED_CONFIG = {"sync_moments": False, "denoise_moments": False}
+_DEFAULTED_CONFIG = {"sync_moments": False, "denoise_moments": False, "sync_moments_every": 1}
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -100,6 +100,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
         sync_moments: also share an Adam/AdamW inner optimizer's moments at every sync, the
             second moment with the excess noise of each rank's small batch taken out, so local
             steps move as gradient all-reduce's would (flodl_opt/moments.py; 4x the sync's bytes).
+        sync_moments_every: with ``sync_moments``, share the moments at every N-th sync only, over
+            the steps since the last share: on average ``1 + 3/N`` times a plain sync's bytes.
         denoise_moments: take that excess out of each rank's own Adam/AdamW second moment at
             every step instead, measured from the rank's own gradients: nothing is sent, and it
             works with every sync mode (flodl_opt/moments.py). Ranks' batches of equal size.
@@ -118,7 +120,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
                  nonfinite_guard: bool = True, gloo_chunk_bytes: int = DEFAULT_GLOO_CHUNK_BYTES,
                  stall_warning_s: Optional[float] = DEFAULT_STALL_WARNING_S,
                  wire: str = "fp32", wire_block: int = DEFAULT_WIRE_BLOCK, error_feedback: bool = False,
-                 sync_moments: bool = False, denoise_moments: bool = False):
+                 sync_moments: bool = False, denoise_moments: bool = False, sync_moments_every: int = 1):
         _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma)
         self._adaptive: Optional[AdaptiveSync] = make_adaptive(sync_every)
         if self._adaptive is not None and not keep_presync:
@@ -147,6 +149,12 @@ class LocalSGDOptimizer(WrappedOptimizer):
             if fragments > 1 or overlap_steps > 0:
                 raise ConfigError("sync_moments=True is not supported with fragments/overlap_steps (the "
                                   "moments are shared at blocking syncs only): drop one of them")
+        if isinstance(sync_moments_every, bool) or not isinstance(sync_moments_every, int) or sync_moments_every < 1:
+            raise ConfigError(f"sync_moments_every must be an int >= 1 (share at every N-th sync), "
+                              f"got {sync_moments_every!r}")
+        if sync_moments_every != 1 and not sync_moments:
+            raise ConfigError(f"sync_moments_every={sync_moments_every} says how often sync_moments shares "
+                              "the moments: pass sync_moments=True with it, or drop it")
         if not isinstance(denoise_moments, bool):
             raise ConfigError(f"denoise_moments must be True or False, got {denoise_moments!r}")
         if denoise_moments:
@@ -194,7 +202,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         if sync_moments:
             self._moments = MomentSync(optimizer, self._params, [g.flat for g in self._param_groups_flat],
                                        self.gamma, process_group, self._consensus.comm_device,
-                                       self._consensus.distributed, self._rank)
+                                       self._consensus.distributed, self._rank, every=sync_moments_every)
         # None: each rank's Adam keeps the second moment of its own small batch
         self._denoise: Optional[LocalDenoise] = LocalDenoise(optimizer, group_size) \
             if denoise_moments and group_size > 1 else None
@@ -360,6 +368,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
             moments = self._reduce_moments(steps, self._sync_count + 1)   # shared, not yet written
             stats = self._run_consensus(steps, self._sync_count + 1, active=not self._joined)  # count -> reduce -> readout
             self._apply_moments(moments, stats)
+            if self._moments is not None:
+                self._moments.done(steps, shared=self._moments.due(self._sync_count + 1))
             self._sync_count += 1
             self._global_steps += stats.cohort_steps
             self._steps_since_sync = self._skipped_since_sync = 0
@@ -377,7 +387,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         return stats
 
     def _reduce_moments(self, steps: int, sync_number: int) -> Optional[torch.Tensor]:
-        if self._moments is None:
+        if self._moments is None or not self._moments.due(sync_number):
             return None
         with self._waiting(sync_number):
             return self._moments.reduce(steps, sync_number)
@@ -532,6 +542,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
                 "outer": self.outer.name, "outer_config": self.outer.config(),
                 "max_grad_norm": self.max_grad_norm, "sync_moments": self._moments is not None,
                 "denoise_moments": self._denoise_on,
+                "sync_moments_every": self._moments.every if self._moments is not None else 1,
                 "wire": self._wire.config() if self._wire is not None else wire_config(),
                 "flat": [(r, d, [list(s) for s in shapes]) for r, d, shapes in
                          signature(self._param_groups_flat + self._buffer_groups_flat)]}
@@ -556,6 +567,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
             sd[STATE_KEY]["stream"] = self._stream.state_dict()
         if self._adaptive is not None:
             sd[STATE_KEY]["adaptive"] = self._adaptive.state_dict()
+        if self._moments is not None and self._moments.every > 1:
+            sd[STATE_KEY]["moments"] = self._moments.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
@@ -593,6 +606,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self._wire.load_state_dict(ours.get("wire"))
         if self._stream is not None:
             self._stream.load_state_dict(ours["stream"])
+        if self._moments is not None:
+            self._moments.load_state_dict(ours.get("moments"))
         if self._adaptive is not None and ours.get("adaptive") is not None:
             self._adaptive.load_state_dict(ours["adaptive"])
             self.sync_every = self._adaptive.every

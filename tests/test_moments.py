@@ -117,8 +117,34 @@ def _join_run(rank, world):
     return {"params": _flat(model), "moments": _moments(inner, model), "steps": opt.local_steps}
 
 
+def _every_run(rank, world):
+    """``sync_moments_every=2``: a plain sync keeps each rank's moments; the next one shares them over
+    both windows' work. Also a checkpoint taken between the two, resumed."""
+    model = _model()
+    inner, opt = _build(model, sync_every=10 ** 9, sync_moments=True, sync_moments_every=2)
+    _train(model, opt, rank, (5, 3, 4)[rank])
+    own = _moments(inner, model)
+    plain = opt.sync()
+    after_plain = _moments(inner, model)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    _train(model, opt, rank, (2, 6, 4)[rank], start=10)
+    pre = gather_object((_moments(inner, model), (7, 9, 8)[rank]))   # the work since the shared start
+    share = opt.sync()
+    post = _moments(inner, model)
+    model2 = _model(seed=1)
+    inner2, opt2 = _build(model2, sync_every=10 ** 9, sync_moments=True, sync_moments_every=2)
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    _train(model2, opt2, rank, (2, 6, 4)[rank], start=10)
+    opt2.sync()
+    return {"own": own, "after_plain": after_plain, "pre": pre, "post": post,
+            "bytes": (plain.bytes, share.bytes), "collectives": (plain.collectives, share.collectives),
+            "resumed": (_flat(model2), *_moments(inner2, model2)), "straight_params": _flat(model),
+            "config": saved[1]["flodl_opt"]["config"]["sync_moments_every"]}
+
+
 def _all(rank, world, base_dir):
-    return {"join": _join_run(rank, world),
+    return {"every": _every_run(rank, world), "join": _join_run(rank, world),
             "reference": _reference_run(rank, world), "one_step": _one_step_run(rank, world),
             "resume": _resume_run(rank, world), "nonfinite": _nonfinite_run(rank, world),
             "defaults": _defaults_run(rank, world, base_dir)}
@@ -184,6 +210,26 @@ def test_resume_is_bit_exact(shared):
         assert r["resume"]["config"] is True
         assert all(np.array_equal(a, b) for a, b in zip(r["resume"]["straight"], r["resume"]["resumed"]))
     assert all(np.array_equal(a, b) for a, b in zip(res[0]["resume"]["straight"], res[2]["resume"]["straight"]))
+
+
+def test_every_second_sync_shares_over_both_windows_and_resumes_between_them(shared):
+    res, _ = shared
+    m_ref, v_ref = _formula(res[0]["every"]["pre"])   # window and weights: 7, 9 and 8 steps
+    n = sum(p.numel() for p in _model().parameters())
+    for r in res:
+        e = r["every"]
+        assert all(np.array_equal(a, b) for a, b in zip(e["own"], e["after_plain"]))   # the plain sync kept them
+        m, v = e["post"]
+        np.testing.assert_allclose(m, m_ref, rtol=1e-5, atol=1e-7 * np.abs(m_ref).max())
+        np.testing.assert_allclose(v, v_ref, rtol=1e-5, atol=1e-6 * np.abs(v_ref).max())
+        assert all(np.array_equal(a, b) for a, b in zip(e["post"], res[0]["every"]["post"]))
+        assert e["bytes"][1] - e["bytes"][0] == (3 * n + 3) * 4 and e["collectives"][1] == e["collectives"][0] + 1
+        assert e["config"] == 2
+        assert all(np.array_equal(a, b) for a, b in zip(e["resumed"], (e["straight_params"], *e["post"])))
+    # the moments did differ before the share, and the window counts both syncs: 4 and 5 steps give another v
+    assert not np.array_equal(res[0]["every"]["own"][0], res[1]["every"]["own"][0])
+    _, v_short = _formula([(mv, s - (5, 3, 4)[i]) for i, (mv, s) in enumerate(res[0]["every"]["pre"])])
+    assert np.abs(v_short - v_ref).max() > 100 * 1e-6 * np.abs(v_ref).max()
 
 
 def test_nonfinite_rank_gets_no_vote_and_the_others_share_their_moments(shared):
@@ -269,3 +315,9 @@ def test_refused_combinations_say_what_to_change(make, kw, says):
         flo.LocalSGDOptimizer(make(model.parameters()), model=model, sync_moments=True, **kw)
     with pytest.raises(flo.ConfigError, match="True or False"):
         flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, sync_moments=1)
+    for every in (0, 1.5, True):
+        with pytest.raises(flo.ConfigError, match="int >= 1"):
+            flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, sync_moments=True,
+                                  sync_moments_every=every)
+    with pytest.raises(flo.ConfigError, match="pass sync_moments=True"):
+        flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, sync_moments_every=2)

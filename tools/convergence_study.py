@@ -208,8 +208,9 @@ def cells(plan: str) -> List[Dict]:
         cell("wide-r4-s16384-k16v", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgmvc",
                                                      "localsgd-k16-svc", "localsgd-k16-avgm-svc",
                                                      "localsgd-k16-avgmvc-me2"], wide)
-        cell("wide-r4-s16384-k16v-b", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-svc",
-                                                       "localsgd-k16-avgmvc-me2"], wide + ["--seeds", "300,400,500"])
+        cell("wide-r4-s16384-k16v-b", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgmvc",
+                                                       "localsgd-k16-svc", "localsgd-k16-avgmvc-me2"],
+             wide + ["--seeds", "300,400,500"])
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])
@@ -374,8 +375,9 @@ def plot(tag: str, cell: Dict, path: str, keep=None) -> str:
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=6, ncol=2)
     cfg = cell["config"]
+    seeds = ",".join(str(s) for s in sorted({r["seed"] for n in names for r in cell["runs"][n]}))  # merged cells
     title = (f"{tag}: {cfg['ranks']} ranks, {cfg['params'] / 1e6:.2f}M params, {cfg['steps']} steps, "
-             f"seeds {cfg['seeds']}")
+             f"seeds {seeds}")
     return _plot.save(fig, path, title, dpi=100)
 
 

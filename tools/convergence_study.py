@@ -149,7 +149,8 @@ def cells(plan: str) -> List[Dict]:
         cell("wide-r4-s16384-clipwd", DEMO, 4, 16384, ["allreduce", "allreduce-clip0", "sync-k1-clip0",
                                                        "localsgd-k16-clip0", "diloco-h64-avgmvc"], wide)
         # where the target already held: does it cost anything at 2 ranks?
-        cell("wide-r2-s16384-vc", DEMO, 2, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgmvc"], wide)
+        cell("wide-r2-s16384-vc", DEMO, 2, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgmvc",
+                                                   "localsgd-k16-avgmvc-me2"], wide)
     if plan == "wide16k-lvc":   # the same excess taken out of each rank's own second moment at every step,
         # nothing sent (denoise_moments=True); seeds paired with wide16k-vc's cell (its plain K=16 row)
         for i, seeds in enumerate(("0,100,200", "300,400,500")):   # one call of the lent GPU each

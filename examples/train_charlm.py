@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sync-moments", action="store_true",
                    help="also share AdamW's moments at every sync, the noise of each rank's small batch "
                         "taken out of the second (closer to gradient all-reduce; 4x a sync's bytes)")
+    p.add_argument("--sync-moments-every", type=int, default=1, metavar="N",
+                   help="with --sync-moments, share them at every N-th sync only (1 + 3/N x a sync's bytes)")
     p.add_argument("--denoise-moments", action="store_true",
                    help="take each rank's small-batch noise out of its own AdamW second moment at every "
                         "step (nothing sent; helps frequent syncs and short runs, see CONVERGENCE.md)")
@@ -215,7 +217,8 @@ def build_optimizer(args, model: nn.Module):
                                 warmup_steps=args.warmup_syncs, max_grad_norm=1.0, lr_scheduler=sched,
                                 wire=args.wire, error_feedback=args.error_feedback,
                                 fragments=args.fragments, overlap_steps=args.overlap_steps,
-                                sync_moments=args.sync_moments, denoise_moments=args.denoise_moments)
+                                sync_moments=args.sync_moments, sync_moments_every=args.sync_moments_every,
+                                denoise_moments=args.denoise_moments)
     return opt, None
 
 

@@ -30,7 +30,9 @@ Methods are rows of ``METHODS`` (name -> kind, LocalSGDOptimizer keyword argumen
 64, library defaults), and one row per sync mode: ``-int8`` (``wire="int8"``: each rank's difference
 from the anchor in int8 with per-block scales, ~1/4 of the bytes), ``-stream`` (``fragments=4,
 overlap_steps=2``: a quarter of the model at a time, in flight while 2 more inner steps run) and
-``localsgd-auto`` (``sync_every="auto"``). A new sync mode is one more row.
+``localsgd-auto`` (``sync_every="auto"``), ``-moments`` (``sync_moments=True``: AdamW's moments
+shared at every sync, 4x a plain sync's bytes) and ``-moments2`` (``sync_moments_every=2``: at every
+second sync, 2.5x). A new sync mode is one more row.
 
 Streaming rows never hold one consensus of the whole model (fragments sync at different steps), so
 their evaluation uses the ranks' mean weights (one all-reduce, outside the clock and the byte count):
@@ -100,6 +102,8 @@ METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "localsgd-k16-stream": ("local", {"sync_every": 16, "fragments": 4, "overlap_steps": 2}),
     "diloco-h64-stream": ("local", {"sync_every": 64, "outer": "diloco", "fragments": 4, "overlap_steps": 2}),
     "localsgd-auto": ("local", {"sync_every": "auto"}),
+    "localsgd-k16-moments": ("local", {"sync_every": 16, "sync_moments": True}),
+    "localsgd-k16-moments2": ("local", {"sync_every": 16, "sync_moments": True, "sync_moments_every": 2}),
 }
 ANCHOR = "ddp"
 LABELS = {"ddp": "torch DDP (anchor)", "distopt": "flo.DistributedOptimizer",
@@ -107,7 +111,9 @@ LABELS = {"ddp": "torch DDP (anchor)", "distopt": "flo.DistributedOptimizer",
           "localsgd-k16-int8": "local SGD, K=16, int8 wire", "diloco-h64-int8": "DiLoCo, H=64, int8 wire",
           "localsgd-k16-stream": "local SGD, K=16, 4 fragments, overlap 2",
           "diloco-h64-stream": "DiLoCo, H=64, 4 fragments, overlap 2",
-          "localsgd-auto": "local SGD, sync_every='auto'"}
+          "localsgd-auto": "local SGD, sync_every='auto'",
+          "localsgd-k16-moments": "local SGD, K=16, sync_moments",
+          "localsgd-k16-moments2": "local SGD, K=16, sync_moments every 2nd sync"}
 
 SUBNET = "10.213.0"      # rank i is SUBNET.(10 + i)/24
 VETH = "flwan0"          # the rank's interface inside its namespace
@@ -564,10 +570,12 @@ def plot(results: Dict[str, Dict[str, Any]], path: str) -> None:
     # One colour per method, one line style per kind of sync (dashed int8 wire, dotted streaming).
     colors = {"ddp": "black", "distopt": "tab:gray", "localsgd-k16": "tab:blue", "diloco-h64": "tab:orange",
               "localsgd-k16-int8": "tab:cyan", "diloco-h64-int8": "tab:brown",
-              "localsgd-k16-stream": "tab:green", "diloco-h64-stream": "tab:red", "localsgd-auto": "tab:purple"}
+              "localsgd-k16-stream": "tab:green", "diloco-h64-stream": "tab:red", "localsgd-auto": "tab:purple",
+              "localsgd-k16-moments": "tab:pink", "localsgd-k16-moments2": "tab:olive"}
 
     def style(name: str) -> str:
-        return "--" if name == "distopt" or name.endswith("-int8") else ":" if name.endswith("-stream") else "-"
+        return ("--" if name == "distopt" or name.endswith("-int8") else ":" if name.endswith("-stream")
+                else "-." if "-moments" in name else "-")
 
     for ax, rate in zip(axes[0], rates):
         rows = results[rate]

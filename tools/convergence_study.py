@@ -212,6 +212,10 @@ def cells(plan: str) -> List[Dict]:
         cell("wide-r4-s16384-k16v-b", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgmvc",
                                                        "localsgd-k16-svc", "localsgd-k16-avgmvc-me2"],
              wide + ["--seeds", "300,400,500"])
+        # per byte: shared moments at a longer K against plain K (K=64 with moments sends what plain K=16
+        # sends; K=32 with moments what plain K=8 sends)
+        cell("wide-r4-s16384-kbytes", DEMO, 4, 16384, ["allreduce", "localsgd-k64-avgmvc", "localsgd-k32-avgmvc"],
+             wide)
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])

@@ -251,19 +251,23 @@ def test_a_world_of_one_has_nothing_to_take_out():
     assert (off[3], on[3]) == (False, True)
 
 
-def _disagree(rank, world):
+def _disagree(rank, world, on_rank0, elsewhere):
     model = _model()
     try:
         flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, sync_every=3,
-                              stall_warning_s=None, denoise_moments=(rank == 0))
+                              stall_warning_s=None, **(on_rank0 if rank == 0 else elsewhere))
     except flo.ConfigError as exc:
         return str(exc)
     return None
 
 
-def test_ranks_that_disagree_on_the_option_all_get_a_clear_error():
-    msgs = run_ranks(_disagree, 2, timeout=60)
-    assert all(m is not None and "denoise_moments" in m for m in msgs), msgs
+@pytest.mark.parametrize("on_rank0, elsewhere, key", [
+    ({"denoise_moments": True}, {}, "denoise_moments"),
+    ({"sync_moments": True, "sync_moments_every": 2}, {"sync_moments": True}, "sync_moments_every"),
+])
+def test_ranks_that_disagree_on_the_option_all_get_a_clear_error(on_rank0, elsewhere, key):
+    msgs = run_ranks(_disagree, 2, on_rank0, elsewhere, timeout=60)
+    assert all(m is not None and key in m for m in msgs), msgs
 
 
 @pytest.mark.parametrize("make, kw, says", [

@@ -331,11 +331,15 @@ def summarize(cell: Dict) -> List[Dict]:
     return rows
 
 
-def markdown(tag: str, cell: Dict, rows: List[Dict]) -> str:
+def describe(cell: Dict, names=None) -> str:
+    """Ranks, params, steps and every seed of the runs in ``names`` (all): merged cells hold several seed sets."""
     cfg = cell["config"]
-    seeds = ",".join(str(s) for s in sorted({r["seed"] for rs in cell["runs"].values() for r in rs}))
-    head = (f"**{tag}**: {cfg['ranks']} ranks, {cfg['params'] / 1e6:.2f}M params, {cfg['steps']} steps, "
-            f"seeds {seeds}" + (" (PARTIAL: the run was cut short)" if cell["partial"] else ""))
+    seeds = ",".join(str(s) for s in sorted({r["seed"] for n in (names or cell["runs"]) for r in cell["runs"][n]}))
+    return f"{cfg['ranks']} ranks, {cfg['params'] / 1e6:.2f}M params, {cfg['steps']} steps, seeds {seeds}"
+
+
+def markdown(tag: str, cell: Dict, rows: List[Dict]) -> str:
+    head = f"**{tag}**: {describe(cell)}" + (" (PARTIAL: the run was cut short)" if cell["partial"] else "")
     ar_bytes = next((r["bytes"] for r in rows if r["method"] == "allreduce"), None)
     lines = [head, "", "| method | final val loss (mean +- sd) | min..max | vs allreduce (mean +- sd, paired) "
              "| vs one rank | syncs | MB per rank | fewer bytes | sum of params | best val loss (mean; at steps) "
@@ -379,11 +383,7 @@ def plot(tag: str, cell: Dict, path: str, keep=None) -> str:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=6, ncol=2)
-    cfg = cell["config"]
-    seeds = ",".join(str(s) for s in sorted({r["seed"] for n in names for r in cell["runs"][n]}))  # merged cells
-    title = (f"{tag}: {cfg['ranks']} ranks, {cfg['params'] / 1e6:.2f}M params, {cfg['steps']} steps, "
-             f"seeds {seeds}")
-    return _plot.save(fig, path, title, dpi=100)
+    return _plot.save(fig, path, f"{tag}: {describe(cell, names)}", dpi=100)
 
 
 def adaptive_verdict(cell: Dict):

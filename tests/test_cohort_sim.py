@@ -76,9 +76,12 @@ def test_each_method_suffix_sets_only_its_own_option():
                           ("localsgd-k16-avgmvc", {"avg_m": "mvc"}),
                           ("localsgd-k16-avgm-clip0", {"avg_m": "m", "clip": float("inf")}),
                           ("localsgd-k16-svc", {"svc": True}), ("localsgd-k16-avgm-svc", {"avg_m": "m", "svc": True}),
-                          ("localsgd-k16-avgmvc-me2", {"avg_m": "mvc", "m_every": 2})]:
+                          ("localsgd-k16-avgmvc-me2", {"avg_m": "mvc", "m_every": 2}),
+                          ("localsgd-k16-avgmvc-me2-mbf16", {"avg_m": "mvc", "m_every": 2, "mbf16": True})]:
         spec = sim.method_spec(name)
         assert {k: v for k, v in spec.items() if k != "name" and base[k] != v} == changed, name
+    with pytest.raises(SystemExit, match="-mbf16 narrows -avgmvc"):
+        sim.method_spec("localsgd-k16-avgmv-mbf16")
 
 
 def test_denoised_second_moment_at_one_step_is_that_of_the_mean_gradient():
@@ -93,11 +96,31 @@ def test_denoised_second_moment_at_one_step_is_that_of_the_mean_gradient():
     m = b1 * m0 + (1 - b1) * grads
     v = b2 * v0 + (1 - b2) * grads ** 2
     want = b2 * v0 + (1 - b2) * grads.mean(0) ** 2                  # one AdamW step on the averaged gradient
-    torch.testing.assert_close(sim.denoised_second_moment(m, v, 1), want, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(sim.shared_moments(m, v, 1)[1], want, rtol=1e-12, atol=1e-15)
     # From v0 = 0 the excess can exceed what is there: floored at mean(v_i) / M, never below it
     v = (1 - b2) * grads ** 2
-    got = sim.denoised_second_moment(m, v, 1)
+    got = sim.shared_moments(m, v, 1)[1]
     assert bool((got >= v.mean(0) / M - 1e-15).all()) and bool((got < v.mean(0)).all())
+
+
+def test_bf16_moment_wire_of_the_sim_rounds_each_share_and_the_sum_once():
+    """-mbf16: the mean is within one bf16 rounding of each share and one of the sum of the exact
+    mean, and the exact float32 mean is not what comes out (the narrowing is there)."""
+    import torch
+    sim = _load_sim()
+    g = torch.Generator().manual_seed(1)
+    M, N, u = 4, 4096, 2.0 ** -8
+    m = torch.randn(M, N, generator=g) * 1e-3
+    v = torch.rand(M, N, generator=g) * 1e-6 + 1e-8
+    exact = (m.double().mean(0), v.double().mean(0))
+    got = sim._bf16_mean(m), sim._bf16_mean(v)
+    for x, want, e in zip((m, v), exact, got):
+        bound = u * (x.double().abs().mean(0) + want.abs()) * 1.001
+        assert bool(((e.double() - want).abs() <= bound).all())
+        assert bool((e.double() - want).abs().max() > 1e-4 * want.abs().max())
+    mf, vf = sim.shared_moments(m, v, 16, bf16=False)
+    mb, vb = sim.shared_moments(m, v, 16, bf16=True)
+    assert torch.equal(mb, got[0]) and not torch.equal(mf, mb) and not torch.equal(vf, vb)
 
 
 def _cell(path, ranks, runs):

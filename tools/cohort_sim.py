@@ -33,7 +33,7 @@ import math
 import os
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -70,13 +70,15 @@ def method_spec(name: str) -> Dict:
     with no communication (each rank's noise from its own ``(g - m)^2``); ``-svc`` takes the same
     excess out only at the sync, all of the window's at once, from an EMA of each rank's own
     ``(g - m)^2`` over the window (nothing sent; see ``sync``); ``-me{N}`` shares the moments of
-    ``-avgm*`` only at every N-th sync, over the window since the last share.
+    ``-avgm*`` only at every N-th sync, over the window since the last share; ``-mbf16`` sends
+    ``-avgmvc``'s moments as ``sync_moments_wire="bf16"`` does (each rank's share rounded to bf16,
+    summed in float32, the sum rounded again).
     """
     parts = name.split("-")
     spec = {"name": name, "kind": "local", "k": 1, "warmup": 0, "outer": None, "wd": 0.01, "ranks": None,
             "auto": None, "lr_scale": 1.0, "avg_m": False, "clip": 1.0, "lvc": False, "svc": False,
-            "m_every": 1}
-    while parts[-1] in ("wd0", "avgm", "avgmv", "avgmvc", "lvc", "svc") or parts[-1].startswith(("lrx", "clip")) \
+            "m_every": 1, "mbf16": False}
+    while parts[-1] in ("wd0", "avgm", "avgmv", "avgmvc", "lvc", "svc", "mbf16") or parts[-1].startswith(("lrx", "clip")) \
             or (parts[-1].startswith("me") and parts[-1][2:].isdigit()):
         if parts[-1] == "wd0":
             spec["wd"] = 0.0
@@ -84,6 +86,8 @@ def method_spec(name: str) -> Dict:
             spec["lvc"] = True
         elif parts[-1] == "svc":
             spec["svc"] = True
+        elif parts[-1] == "mbf16":
+            spec["mbf16"] = True
         elif parts[-1].startswith("me"):
             spec["m_every"] = int(parts[-1][2:])
         elif parts[-1].startswith("clip"):
@@ -93,6 +97,8 @@ def method_spec(name: str) -> Dict:
         else:
             spec["lr_scale"] = float(parts[-1][3:])
         parts = parts[:-1]
+    if spec["mbf16"] and spec["avg_m"] != "mvc":
+        raise SystemExit(f"cohort_sim: -mbf16 narrows -avgmvc's moments; {name!r} shares none")
     head = parts[0]
     if head == "allreduce":
         spec["kind"] = "allreduce"
@@ -132,13 +138,21 @@ def method_spec(name: str) -> Dict:
     return spec
 
 
-def denoised_second_moment(m: torch.Tensor, v: torch.Tensor, window: int, b1: float = 0.9,
-                           b2: float = 0.99) -> torch.Tensor:
-    """``-avgmvc``'s shared AdamW second moment from the ranks' moments ``[M, N]`` after a window of
+def _bf16_mean(x: torch.Tensor) -> torch.Tensor:
+    """The mean over ranks ``[M, N]`` as ``sync_moments_wire="bf16"`` delivers it: each rank's share
+    rounded to bf16, the shares summed in float32, the sum rounded to bf16 again."""
+    q = lambda t: t.to(torch.bfloat16).float()
+    return q(q(x / x.shape[0]).sum(0))
+
+
+def shared_moments(m: torch.Tensor, v: torch.Tensor, window: int, b1: float = 0.9,
+                           b2: float = 0.99, bf16: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``-avgmvc``'s shared AdamW moments ``(m, v)`` from the ranks' moments ``[M, N]`` after a window of
     ``window`` steps that began from shared moments: the library's ``sync_moments=True`` formula
-    (flodl_opt/moments.py) with equal weights."""
+    (flodl_opt/moments.py) with equal weights; ``bf16``: through the bf16 moment wire."""
     M = m.shape[0]
-    return denoised_moments(m.mean(0), (m * m).mean(0), v.mean(0), 1.0 / M, window, b1, b2)[1]
+    mean = _bf16_mean if bf16 else (lambda x: x.mean(0))
+    return denoised_moments(mean(m), mean(m * m), mean(v), 1.0 / M, window, b1, b2)
 
 
 def build_outer(spec: Dict):
@@ -365,13 +379,15 @@ def simulate(args) -> Dict:
             if share:   # first moments are linear in the gradients: their mean is all-reduce's
                 m, v = inner.state[flat]["exp_avg"], inner.state[flat]["exp_avg_sq"]
                 if g["avg_m"] == "mvc":
-                    v[rows] = denoised_second_moment(m[rows], v[rows], max(1, g["msince"]), b1, b2)
-                elif g["avg_m"] == "mv":
-                    v[rows] = v[rows].mean(0, keepdim=True)
-                m[rows] = m[rows].mean(0, keepdim=True)
+                    m[rows], v[rows] = shared_moments(m[rows], v[rows], max(1, g["msince"]), b1, b2,
+                                                              bf16=g["mbf16"])
+                else:
+                    if g["avg_m"] == "mv":
+                        v[rows] = v[rows].mean(0, keepdim=True)
+                    m[rows] = m[rows].mean(0, keepdim=True)
         g["syncs"] += 1
         extra = {"m": 1, "mv": 2, "mvc": 3}.get(g["avg_m"] or "", 0) if share else 0   # mvc: m, m^2, v
-        g["bytes"] += sync_bytes + N * 4 * extra
+        g["bytes"] += sync_bytes + N * (2 if g["mbf16"] else 4) * extra
         g["since"] = 0
         if share:
             g["msince"] = 0
@@ -474,7 +490,7 @@ def pack(groups, net, t0, partial: bool) -> Dict:
     for g in groups:
         out_groups.append({k: g[k] for k in ("name", "kind", "k", "warmup", "wd", "seed", "ranks", "syncs",
                                              "bytes", "curve", "outer_syncs", "ks", "lr_scale", "avg_m", "clip",
-                                             "lvc", "svc", "m_every") if k in g}
+                                             "lvc", "svc", "m_every", "mbf16") if k in g}
                           | {"outer": repr(g["outer_obj"]) if g["outer_obj"] is not None else None,
                              "final": g["curve"][-1]})
     return {"config": {**vars(args), "params": net.n_params, "flat_numel": net.numel, "replicas": net.R,

@@ -29,6 +29,17 @@ three scalars, issued before the param consensus and written only after it succe
 either leaves the moments and (with the pre-sync copy) the params as they were. The bytes: three
 times the params' (a sync moves 4x the bytes of the plain one).
 
+``sync_moments_wire="bf16"`` halves the moments' bytes (a sync moves 2.5x the plain one's): each
+rank's ``[w m, w m^2, w v]`` is rounded to bf16 and summed in float32 by the owner of each section,
+whose sum is rounded once more (wire.py's reduce-scatter + all-gather; the scalars stay a float32
+SUM). Each moment is then off by at most two bf16 roundings (``2^-8`` relative) of its terms. The
+spread ``m^2 - m_bar^2`` is a difference, so in coordinates where the ranks agree its rounding
+error is a few ``2^-8`` of ``m^2``, and the formula multiplies it by about
+``(1 - b2^K)(1 + b1)/(1 - b1)``: some 5% of ``m^2`` in ``v`` at b1 = 0.9, b2 = 0.99, K = 16, of
+either sign, where ``v`` is ``m^2`` or more. bf16 keeps float32's exponent range, which the second moment needs
+(values from 1e-20 up); fp16 and int8 would flush its small coordinates to zero, so they are
+refused.
+
 Every N-th sync (``sync_moments_every=N``). Between shares every rank keeps its own moments, and the
 window above is the steps since the last share (the moments all started it equal), so the same
 formula holds over N syncs. The excess re-enters ``v`` at ``1 - b2^t`` after t steps, so with
@@ -57,8 +68,10 @@ import torch.distributed as dist
 
 from .consensus import gamma_mass
 from .errors import ConfigError, SyncError
+from .wire import DEFAULT_WIRE_BLOCK, _BF16, narrow_sum, narrow_sum_bytes
 
 _SCALARS = 3  # weight, weight^2, weight * window
+MOMENT_WIRES = ("fp32", "bf16")
 
 
 def denoised_moments(m: torch.Tensor, m2: torch.Tensor, v: torch.Tensor, w2: float, window: float,
@@ -85,11 +98,14 @@ class MomentSync:
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                  param_flats: Sequence[torch.Tensor], gamma: float,
                  process_group: Optional[dist.ProcessGroup], comm_device: torch.device,
-                 distributed: bool, rank: int, every: int = 1):
+                 distributed: bool, rank: int, every: int = 1, wire: str = "fp32", world: int = 1):
         """``optimizer`` passed ``check_optimizer``; ``param_flats`` are the flat buffers ``params`` live in;
-        ``every``: share at syncs number N, 2N, ... only."""
+        ``every``: share at syncs number N, 2N, ... only; ``wire``: one of ``MOMENT_WIRES``."""
         self.optimizer, self.params, self.gamma = optimizer, list(params), float(gamma)
-        self.every = int(every)
+        self.every, self.wire, self.world = int(every), wire, int(world)
+        # bf16: the moments ride a reduce-scatter + all-gather of bf16 (wire.py's), summed in float32 at
+        # each owner; the three scalars a float32 SUM of their own, so the weights stay exact.
+        self._codec = _BF16(DEFAULT_WIRE_BLOCK) if wire == "bf16" else None
         self.window = 0   # this rank's steps in the syncs since the last share (those done, not this one)
         self.param_flats = list(param_flats)  # a few buffers: the finite check reads one flag each
         betas = {}
@@ -102,7 +118,13 @@ class MomentSync:
 
     @property
     def bytes_per_sync(self) -> int:
-        return (3 * self.numel + _SCALARS) * 4
+        if self._codec is None:
+            return (3 * self.numel + _SCALARS) * 4
+        return narrow_sum_bytes(self._codec, 3 * self.numel, self.world) + _SCALARS * 4
+
+    @property
+    def collectives_per_share(self) -> int:
+        return 1 if self._codec is None else 3
 
     def _states(self) -> Optional[List[dict]]:
         states = [self.optimizer.state.get(p) for p in self.params]
@@ -152,7 +174,11 @@ class MomentSync:
                     buf[:3 * n].mul_(w)
         buf[3 * n:] = torch.tensor([w, w * w, w * steps])
         try:
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+            if self._codec is None:
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+            else:
+                dist.all_reduce(buf[3 * n:], op=dist.ReduceOp.SUM, group=self.group)
+                narrow_sum(buf[:3 * n], self._codec, self.world, self.rank, self.group)
         except Exception as exc:  # before the param consensus: nothing has been written yet
             raise SyncError(self.rank, sync_number, exc, restored=True,
                             state="params, buffers and inner optimizer moments untouched (the "

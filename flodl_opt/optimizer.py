@@ -44,7 +44,7 @@ from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
 from .stall import DEFAULT_STALL_WARNING_S, StallWatchdog
 from .wire import DEFAULT_WIRE_BLOCK, make_wire, wire_config
 from .streaming import Schedule, StreamingSync, round_period
-from .moments import LocalDenoise, MomentSync, check_optimizer
+from .moments import MOMENT_WIRES, LocalDenoise, MomentSync, check_optimizer
 
 STATE_KEY = "flodl_opt"
 STATE_VERSION = 1
@@ -53,7 +53,8 @@ _STRICT_CONFIG = ("sync_every", "warmup_steps", "gamma", "outer", "wire")
 # Must agree even with strict=False (a checkpoint may hold a fragment in flight); absent = default.
 _STREAM_CONFIG = {"fragments": 1, "overlap_steps": 0}
 # Must agree with strict=True; absent from older checkpoints = default.
-_DEFAULTED_CONFIG = {"sync_moments": False, "denoise_moments": False, "sync_moments_every": 1}
+_DEFAULTED_CONFIG = {"sync_moments": False, "denoise_moments": False, "sync_moments_every": 1,
+                     "sync_moments_wire": "fp32"}
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -102,6 +103,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
             steps move as gradient all-reduce's would (flodl_opt/moments.py; 4x the sync's bytes).
         sync_moments_every: with ``sync_moments``, share the moments at every N-th sync only, over
             the steps since the last share: on average ``1 + 3/N`` times a plain sync's bytes.
+        sync_moments_wire: with ``sync_moments``, how the moments travel: ``"fp32"`` (default) or
+            ``"bf16"`` (half their bytes, summed in float32: ``1 + 1.5/N`` times a plain sync's).
         denoise_moments: take that excess out of each rank's own Adam/AdamW second moment at
             every step instead, measured from the rank's own gradients: nothing is sent, and it
             works with every sync mode (flodl_opt/moments.py). Ranks' batches of equal size.
@@ -120,7 +123,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
                  nonfinite_guard: bool = True, gloo_chunk_bytes: int = DEFAULT_GLOO_CHUNK_BYTES,
                  stall_warning_s: Optional[float] = DEFAULT_STALL_WARNING_S,
                  wire: str = "fp32", wire_block: int = DEFAULT_WIRE_BLOCK, error_feedback: bool = False,
-                 sync_moments: bool = False, denoise_moments: bool = False, sync_moments_every: int = 1):
+                 sync_moments: bool = False, denoise_moments: bool = False, sync_moments_every: int = 1,
+                 sync_moments_wire: str = "fp32"):
         _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma)
         self._adaptive: Optional[AdaptiveSync] = make_adaptive(sync_every)
         if self._adaptive is not None and not keep_presync:
@@ -155,6 +159,12 @@ class LocalSGDOptimizer(WrappedOptimizer):
         if sync_moments_every != 1 and not sync_moments:
             raise ConfigError(f"sync_moments_every={sync_moments_every} says how often sync_moments shares "
                               "the moments: pass sync_moments=True with it, or drop it")
+        if not isinstance(sync_moments_wire, str) or sync_moments_wire not in MOMENT_WIRES:
+            raise ConfigError(f"sync_moments_wire must be 'fp32' or 'bf16', got {sync_moments_wire!r} (fp16 "
+                              "and int8 cannot hold the second moment's range of magnitudes)")
+        if sync_moments_wire != "fp32" and not sync_moments:
+            raise ConfigError(f"sync_moments_wire={sync_moments_wire!r} says how sync_moments sends the "
+                              "moments: pass sync_moments=True with it, or drop it")
         if not isinstance(denoise_moments, bool):
             raise ConfigError(f"denoise_moments must be True or False, got {denoise_moments!r}")
         if denoise_moments:
@@ -202,7 +212,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
         if sync_moments:
             self._moments = MomentSync(optimizer, self._params, [g.flat for g in self._param_groups_flat],
                                        self.gamma, process_group, self._consensus.comm_device,
-                                       self._consensus.distributed, self._rank, every=sync_moments_every)
+                                       self._consensus.distributed, self._rank, every=sync_moments_every,
+                                       wire=sync_moments_wire, world=group_size)
         # None: each rank's Adam keeps the second moment of its own small batch
         self._denoise: Optional[LocalDenoise] = LocalDenoise(optimizer, group_size) \
             if denoise_moments and group_size > 1 else None
@@ -398,7 +409,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
             return
         assert self._moments is not None
         self._moments.apply(moments)
-        stats.collectives += 1
+        stats.collectives += self._moments.collectives_per_share
         stats.bytes += self._moments.bytes_per_sync
 
     def _record(self, done: List[SyncStats]) -> None:
@@ -543,6 +554,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
                 "max_grad_norm": self.max_grad_norm, "sync_moments": self._moments is not None,
                 "denoise_moments": self._denoise_on,
                 "sync_moments_every": self._moments.every if self._moments is not None else 1,
+                "sync_moments_wire": self._moments.wire if self._moments is not None else "fp32",
                 "wire": self._wire.config() if self._wire is not None else wire_config(),
                 "flat": [(r, d, [list(s) for s in shapes]) for r, d, shapes in
                          signature(self._param_groups_flat + self._buffer_groups_flat)]}

@@ -220,6 +220,45 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     fn(out, inp, group=group)
 
 
+def _owner_sum(codec: _Codec, own: torch.Tensor, recv: torch.Tensor, rank: int, acc: torch.Tensor,
+               part: torch.Tensor) -> None:
+    """Step 3: the owner's sum into ``acc``, in float32, in rank order (its own section from its own
+    payload, the peers' from ``recv``, one row per peer)."""
+    acc.zero_()
+    for r in range(recv.shape[0] + 1):
+        codec.decode(own if r == rank else recv[r if r < rank else r - 1].unsqueeze(0), part)
+        acc.add_(part)
+
+
+def narrow_sum_bytes(codec: _Codec, numel: int, world: int) -> int:
+    """Bytes ``narrow_sum`` hands to its two collectives per rank: one payload."""
+    return world * codec.section_bytes(codec.section_len(numel, world))
+
+
+def narrow_sum(x: torch.Tensor, codec: _Codec, world: int, rank: int,
+               group: Optional[dist.ProcessGroup]) -> None:
+    """Sum the float32 vector ``x`` over the ranks through ``codec``, in place: steps 1-5 above on
+    ``x`` itself (no anchor, no residual). Every rank decodes the same gathered bytes, so ``x`` ends
+    bit-identical everywhere; nothing but ``x`` is written, and only after both collectives."""
+    n, c = x.numel(), codec.section_len(x.numel(), world)
+    sec = codec.section_bytes(c)
+    rows = torch.zeros(world, c, dtype=torch.float32, device=x.device)
+    rows.view(-1)[:n].copy_(x)
+    enc = torch.empty(world, sec, dtype=torch.uint8, device=x.device)
+    codec.encode(rows, enc)
+    splits = [0 if r == rank else sec for r in range(world)]
+    recv = torch.empty((world - 1) * sec, dtype=torch.uint8, device=x.device)
+    dist.all_to_all_single(recv, torch.cat([enc[:rank], enc[rank + 1:]]).view(-1), output_split_sizes=splits,
+                           input_split_sizes=splits, group=group)
+    acc, part = rows[rank:rank + 1].clone(), torch.empty(1, c, dtype=torch.float32, device=x.device)
+    _owner_sum(codec, enc[rank:rank + 1], recv.view(world - 1, sec), rank, acc, part)
+    mine = torch.empty(1, sec, dtype=torch.uint8, device=x.device)
+    codec.encode(acc, mine)
+    _all_gather(enc.view(-1), mine.view(-1), group)   # enc is spent: it now holds every owner's sum
+    codec.decode(enc, rows)
+    x.copy_(rows.view(-1)[:n])
+
+
 # ------------------------------------------------------------------ per flat group
 class _GroupState:
     """The buffers of one flat param group, sized for ``world`` sections of ``c`` elements."""
@@ -334,14 +373,8 @@ class CompressedWire:
             codec.encode(rows, enc)
         dist.all_to_all_single(st.recv, st.send.view(-1), output_split_sizes=st.splits,
                                input_split_sizes=st.splits, group=self.group)
-        # The owner's sum, in float32, in rank order (its own section from its own payload).
-        recv = st.recv.view(world - 1, st.sec)
         acc, part = st.acc, st.part
-        acc.zero_()
-        for r in range(world):
-            src = st.own if r == st.rank else recv[r if r < st.rank else r - 1].unsqueeze(0)
-            codec.decode(src, part)
-            acc.add_(part)
+        _owner_sum(codec, st.own, st.recv.view(world - 1, st.sec), st.rank, acc, part)
         owner_res = None
         if st.owner_residual is not None:
             acc.add_(st.owner_residual)

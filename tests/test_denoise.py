@@ -264,6 +264,7 @@ def _disagree(rank, world, on_rank0, elsewhere):
 @pytest.mark.parametrize("on_rank0, elsewhere, key", [
     ({"denoise_moments": True}, {}, "denoise_moments"),
     ({"sync_moments": True, "sync_moments_every": 2}, {"sync_moments": True}, "sync_moments_every"),
+    ({"sync_moments": True, "sync_moments_wire": "bf16"}, {"sync_moments": True}, "sync_moments_wire"),
 ])
 def test_ranks_that_disagree_on_the_option_all_get_a_clear_error(on_rank0, elsewhere, key):
     msgs = run_ranks(_disagree, 2, on_rank0, elsewhere, timeout=60)

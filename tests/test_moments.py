@@ -143,8 +143,35 @@ def _every_run(rank, world):
             "config": saved[1]["flodl_opt"]["config"]["sync_moments_every"]}
 
 
+def _bf16_run(rank, world):
+    """``sync_moments_wire="bf16"``: two shares after unequal work (as ``_reference_run``), then a
+    checkpoint, three more steps and a share, against a fresh optimizer resumed from it."""
+    model = _model()
+    kw = dict(sync_every=10 ** 9, sync_moments=True, sync_moments_wire="bf16")
+    inner, opt = _build(model, **kw)
+    rounds = []
+    for steps in ((5, 3, 4), (2, 6, 4)):
+        _train(model, opt, rank, steps[rank], start=10 * len(rounds))
+        pre = gather_object((_moments(inner, model), steps[rank]))
+        stats = opt.sync()
+        rounds.append({"pre": pre, "post": _moments(inner, model), "bytes": stats.bytes,
+                       "collectives": stats.collectives, "params": _flat(model)})
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    _train(model, opt, rank, 3, start=30)
+    opt.sync()
+    model2 = _model(seed=1)
+    inner2, opt2 = _build(model2, **kw)
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    _train(model2, opt2, rank, 3, start=30)
+    opt2.sync()
+    return {"rounds": rounds, "config": saved[1]["flodl_opt"]["config"]["sync_moments_wire"],
+            "straight": (_flat(model), *_moments(inner, model)),
+            "resumed": (_flat(model2), *_moments(inner2, model2))}
+
+
 def _all(rank, world, base_dir):
-    return {"every": _every_run(rank, world), "join": _join_run(rank, world),
+    return {"bf16": _bf16_run(rank, world), "every": _every_run(rank, world), "join": _join_run(rank, world),
             "reference": _reference_run(rank, world), "one_step": _one_step_run(rank, world),
             "resume": _resume_run(rank, world), "nonfinite": _nonfinite_run(rank, world),
             "defaults": _defaults_run(rank, world, base_dir)}
@@ -232,6 +259,46 @@ def test_every_second_sync_shares_over_both_windows_and_resumes_between_them(sha
     assert np.abs(v_short - v_ref).max() > 100 * 1e-6 * np.abs(v_ref).max()
 
 
+def test_bf16_moment_wire_stays_within_its_rounding_of_the_float64_formula_and_resumes(shared):
+    """Each rank's share and the owner's float32 sum are rounded to bf16 once each (u = 2^-8), so
+    ``|m - m_ref| <= u (sum w_i |m_i| + |m_ref|)``; ``v``'s error follows through the formula's
+    ``m^2 - m_bar^2`` (both inputs off by at most their own rounding)."""
+    res, _ = shared
+    u = 2.0 ** -8 * 1.001   # one bf16 rounding each, plus float32's in the sums and the division
+    n = sum(p.numel() for p in _model().parameters())
+    for i in range(2):
+        pre = res[0]["bf16"]["rounds"][i]["pre"]
+        m_ref, v_ref = _formula(pre)
+        steps = np.array([s for _, s in pre], dtype=np.float64)
+        w = steps / steps.sum()
+        ms = np.stack([mv[0] for mv, _ in pre])
+        vs = np.stack([mv[1] for mv, _ in pre])
+        vbar, m2bar = w @ vs, w @ ms ** 2
+        w2, window = float((w * w).sum()), float(w @ steps)
+        c = (1 - B2 ** window) * (1 + B1) / ((1 - B1) * (1 - B1 ** (2 * window)))   # v = vbar - c (m2bar - m^2)
+        bm = u * (w @ np.abs(ms) + np.abs(m_ref))
+        bv = 2 * u * vbar + c * (2 * u * m2bar + 2 * np.abs(m_ref) * bm + bm ** 2)
+        for r in res:
+            m, v = r["bf16"]["rounds"][i]["post"]
+            assert (np.abs(m - m_ref) <= bm).all() and (np.abs(v - v_ref) <= bv).all()
+            assert all(np.array_equal(a, b) for a, b in zip(r["bf16"]["rounds"][i]["post"],
+                                                            res[0]["bf16"]["rounds"][i]["post"]))
+            assert np.array_equal(r["bf16"]["rounds"][i]["params"], res[0]["bf16"]["rounds"][i]["params"])
+        # the narrowing is there: far from float32's agreement with the formula (1e-5 above)
+        m, v = res[0]["bf16"]["rounds"][i]["post"]
+        assert np.abs(m - m_ref).max() > 1e-4 * np.abs(m_ref).max()
+        assert np.abs(v - v_ref).max() > 1e-4 * np.abs(v_ref).max()
+    # bytes: the params' float32 sync plus 3 sections of bf16 (padded to 64 elements) and 3 float32 scalars
+    c = max(64, -(-3 * n // (3 * 64)) * 64)
+    fp32 = res[0]["reference"][0]
+    b = res[0]["bf16"]["rounds"][0]
+    assert b["bytes"] - (fp32["bytes"] - (3 * n + 3) * 4) == 3 * 2 * c + 12
+    assert b["collectives"] == fp32["collectives"] + 2   # scalars, all_to_all, all_gather against one SUM
+    for r in res:
+        assert r["bf16"]["config"] == "bf16"
+        assert all(np.array_equal(a, b) for a, b in zip(r["bf16"]["straight"], r["bf16"]["resumed"]))
+
+
 def test_nonfinite_rank_gets_no_vote_and_the_others_share_their_moments(shared):
     res, _ = shared
     a, b, c = (r["nonfinite"] for r in res)
@@ -264,19 +331,19 @@ def test_default_is_bit_identical_to_the_commit_before_the_option(shared):
 
 
 # ------------------------------------------------------------------ a peer dies mid-sync
-def _peer_dies(at_call, rank, world, out):
+def _peer_dies(at_call, wire, fn, rank, world, out):
     model = _model()
-    inner, opt = _build(model, sync_every=4, sync_moments=True)
+    inner, opt = _build(model, sync_every=4, sync_moments=True, sync_moments_wire=wire)
     _train(model, opt, rank, 3)
-    if rank == 1:   # call 1 is the moments' SUM, call 2 the consensus's count
-        real, calls = dist.all_reduce, []
+    if rank == 1:   # all_reduce: call 1 is the moments' SUM (bf16: their scalars), call 2 the consensus's count
+        real, calls = getattr(dist, fn), []
 
-        def dying(tensor, *args, **kwargs):
+        def dying(*args, **kwargs):
             calls.append(1)
             if len(calls) == at_call:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real(tensor, *args, **kwargs)
-        dist.all_reduce = dying
+            return real(*args, **kwargs)
+        setattr(dist, fn, dying)
     pre = (_flat(model), *_moments(inner, model))
     state = {}
 
@@ -293,10 +360,12 @@ def _peer_dies(at_call, rank, world, out):
                      "moved": not np.array_equal(pre[0], state["after_step"][0])})
 
 
-@pytest.mark.parametrize("at_call", [1, 2], ids=["in-the-moments-reduce", "after-it-in-the-consensus"])
-def test_peer_killed_mid_sync_leaves_params_and_moments_as_they_were(tmp_path, at_call):
+@pytest.mark.parametrize("at_call, wire, fn", [(1, "fp32", "all_reduce"), (2, "fp32", "all_reduce"),
+                                               (1, "bf16", "all_to_all_single")],
+                         ids=["in-the-moments-reduce", "after-it-in-the-consensus", "in-the-bf16-moments-reduce"])
+def test_peer_killed_mid_sync_leaves_params_and_moments_as_they_were(tmp_path, at_call, wire, fn):
     out = str(tmp_path / "rank0.pt")
-    r = survivor_verdict(functools.partial(_peer_dies, at_call), out, timeout=60, collective_timeout=15)
+    r = survivor_verdict(functools.partial(_peer_dies, at_call, wire, fn), out, timeout=60, collective_timeout=15)
     assert r["msg"].startswith("flodl_opt: sync #1 failed on rank 0"), r["msg"]
     assert r["restored"] and r["unchanged"] and r["moved"], {k: v for k, v in r.items() if k != "msg"}
     assert r["syncs"] == 0
@@ -321,3 +390,9 @@ def test_refused_combinations_say_what_to_change(make, kw, says):
                                   sync_moments_every=every)
     with pytest.raises(flo.ConfigError, match="pass sync_moments=True"):
         flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, sync_moments_every=2)
+    with pytest.raises(flo.ConfigError, match="pass sync_moments=True"):
+        flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, sync_moments_wire="bf16")
+    for wire in ("fp16", "int8", None, "BF 16"):
+        with pytest.raises(flo.ConfigError, match="'fp32' or 'bf16'"):
+            flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, sync_moments=True,
+                                  sync_moments_wire=wire)

@@ -75,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "taken out of the second (closer to gradient all-reduce; 4x a sync's bytes)")
     p.add_argument("--sync-moments-every", type=int, default=1, metavar="N",
                    help="with --sync-moments, share them at every N-th sync only (1 + 3/N x a sync's bytes)")
+    p.add_argument("--sync-moments-wire", choices=("fp32", "bf16"), default="fp32",
+                   help="with --sync-moments, send the moments in bf16 (summed in float32): half their bytes")
     p.add_argument("--denoise-moments", action="store_true",
                    help="take each rank's small-batch noise out of its own AdamW second moment at every "
                         "step (nothing sent; helps frequent syncs and short runs, see CONVERGENCE.md)")
@@ -218,7 +220,7 @@ def build_optimizer(args, model: nn.Module):
                                 wire=args.wire, error_feedback=args.error_feedback,
                                 fragments=args.fragments, overlap_steps=args.overlap_steps,
                                 sync_moments=args.sync_moments, sync_moments_every=args.sync_moments_every,
-                                denoise_moments=args.denoise_moments)
+                                sync_moments_wire=args.sync_moments_wire, denoise_moments=args.denoise_moments)
     return opt, None
 
 

@@ -32,7 +32,8 @@ from the anchor in int8 with per-block scales, ~1/4 of the bytes), ``-stream`` (
 overlap_steps=2``: a quarter of the model at a time, in flight while 2 more inner steps run) and
 ``localsgd-auto`` (``sync_every="auto"``), ``-moments`` (``sync_moments=True``: AdamW's moments
 shared at every sync, 4x a plain sync's bytes) and ``-moments2`` (``sync_moments_every=2``: at every
-second sync, 2.5x). A new sync mode is one more row.
+second sync, 2.5x), ``-moments-bf16`` / ``-moments2-bf16`` (the same, ``sync_moments_wire="bf16"``: 2.5x
+and 1.75x). A new sync mode is one more row.
 
 Streaming rows never hold one consensus of the whole model (fragments sync at different steps), so
 their evaluation uses the ranks' mean weights (one all-reduce, outside the clock and the byte count):
@@ -104,6 +105,9 @@ METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "localsgd-auto": ("local", {"sync_every": "auto"}),
     "localsgd-k16-moments": ("local", {"sync_every": 16, "sync_moments": True}),
     "localsgd-k16-moments2": ("local", {"sync_every": 16, "sync_moments": True, "sync_moments_every": 2}),
+    "localsgd-k16-moments-bf16": ("local", {"sync_every": 16, "sync_moments": True, "sync_moments_wire": "bf16"}),
+    "localsgd-k16-moments2-bf16": ("local", {"sync_every": 16, "sync_moments": True, "sync_moments_every": 2,
+                                             "sync_moments_wire": "bf16"}),
 }
 ANCHOR = "ddp"
 LABELS = {"ddp": "torch DDP (anchor)", "distopt": "flo.DistributedOptimizer",
@@ -113,7 +117,9 @@ LABELS = {"ddp": "torch DDP (anchor)", "distopt": "flo.DistributedOptimizer",
           "diloco-h64-stream": "DiLoCo, H=64, 4 fragments, overlap 2",
           "localsgd-auto": "local SGD, sync_every='auto'",
           "localsgd-k16-moments": "local SGD, K=16, sync_moments",
-          "localsgd-k16-moments2": "local SGD, K=16, sync_moments every 2nd sync"}
+          "localsgd-k16-moments2": "local SGD, K=16, sync_moments every 2nd sync",
+          "localsgd-k16-moments-bf16": "local SGD, K=16, sync_moments, bf16 moments",
+          "localsgd-k16-moments2-bf16": "local SGD, K=16, sync_moments every 2nd sync, bf16 moments"}
 
 SUBNET = "10.213.0"      # rank i is SUBNET.(10 + i)/24
 VETH = "flwan0"          # the rank's interface inside its namespace
@@ -571,7 +577,8 @@ def plot(results: Dict[str, Dict[str, Any]], path: str) -> None:
     colors = {"ddp": "black", "distopt": "tab:gray", "localsgd-k16": "tab:blue", "diloco-h64": "tab:orange",
               "localsgd-k16-int8": "tab:cyan", "diloco-h64-int8": "tab:brown",
               "localsgd-k16-stream": "tab:green", "diloco-h64-stream": "tab:red", "localsgd-auto": "tab:purple",
-              "localsgd-k16-moments": "tab:pink", "localsgd-k16-moments2": "tab:olive"}
+              "localsgd-k16-moments": "tab:pink", "localsgd-k16-moments2": "tab:olive",
+              "localsgd-k16-moments-bf16": "magenta", "localsgd-k16-moments2-bf16": "darkgoldenrod"}
 
     def style(name: str) -> str:
         return ("--" if name == "distopt" or name.endswith("-int8") else ":" if name.endswith("-stream")

@@ -220,6 +220,9 @@ def cells(plan: str) -> List[Dict]:
         # bytes) and at every second one (1.75x); seeds 0-200 pair with wide-r4-s16384-k16v's fp32 rows
         cell("wide-r4-s16384-mbf16", DEMO, 4, 16384, ["allreduce", "localsgd-k16-avgmvc-mbf16",
                                                       "localsgd-k16-avgmvc-me2-mbf16"], wide)
+        cell("wide-r4-s16384-mbf16-b", DEMO, 4, 16384, ["allreduce", "localsgd-k16-avgmvc-mbf16",
+                                                        "localsgd-k16-avgmvc-me2-mbf16"],
+             wide + ["--seeds", "300,400,500"])
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])

@@ -77,11 +77,39 @@ def test_each_method_suffix_sets_only_its_own_option():
                           ("localsgd-k16-avgm-clip0", {"avg_m": "m", "clip": float("inf")}),
                           ("localsgd-k16-svc", {"svc": True}), ("localsgd-k16-avgm-svc", {"avg_m": "m", "svc": True}),
                           ("localsgd-k16-avgmvc-me2", {"avg_m": "mvc", "m_every": 2}),
-                          ("localsgd-k16-avgmvc-me2-mbf16", {"avg_m": "mvc", "m_every": 2, "mbf16": True})]:
+                          ("localsgd-k16-avgmvc-me2-mbf16", {"avg_m": "mvc", "m_every": 2, "mbf16": True}),
+                          ("localsgd-k16-saw0.5", {"saw": 0.5}), ("localsgd-k16-saw0.9-avgmvc", {"saw": 0.9, "avg_m": "mvc"})]:
         spec = sim.method_spec(name)
         assert {k: v for k, v in spec.items() if k != "name" and base[k] != v} == changed, name
     with pytest.raises(SystemExit, match="-mbf16 narrows -avgmvc"):
         sim.method_spec("localsgd-k16-avgmv-mbf16")
+    for bad in ("allreduce-saw0.5", "localsgd-auto-saw0.5", "localsgd-k16-saw1", "localsgd-k16-saw0"):
+        with pytest.raises(SystemExit):
+            sim.method_spec(bad)
+
+
+def test_saw_lr_falls_through_each_window_and_averages_to_the_schedules_lr():
+    sim = _load_sim()
+    f = [sim.saw_factor(t, 16, 0.5) for t in range(16)]
+    assert f[0] == pytest.approx(1.5) and f[-1] == pytest.approx(0.5)
+    assert all(a > b for a, b in zip(f, f[1:]))
+    assert sum(f) / 16 == pytest.approx(1.0, abs=1e-12)
+    assert sim.saw_factor(0, 1, 0.5) == 1.0   # a window of one step (warm-up) keeps the lr
+
+
+@pytest.mark.timeout(600)
+def test_a_saw_run_is_the_plain_run_with_its_window_lr(tmp_path):
+    """As A goes to 0 a -saw run becomes the plain run (the factor enters nowhere else); at A=0.5 it is
+    another run with the same syncs and bytes."""
+    plain = _sim(tmp_path, "plain", "--methods", "allreduce,localsgd-k8,diloco-h8", "--seeds", "0")
+    tiny = _sim(tmp_path, "tiny", "--methods", "allreduce,localsgd-k8-saw0.0000001,diloco-h8-saw0.0000001", "--seeds", "0")
+    half = _sim(tmp_path, "half", "--methods", "allreduce,localsgd-k8-saw0.5,diloco-h8-saw0.5", "--seeds", "0")
+    for a, b, c in zip(plain["runs"][1:], tiny["runs"][1:], half["runs"][1:]):
+        va, vb, vc = ([p["val_loss"] for p in r["curve"]] for r in (a, b, c))
+        assert vb == pytest.approx(va, rel=1e-5), a["name"]
+        assert abs(vc[-1] - va[-1]) > 1e-3, a["name"]
+        assert (a["syncs"], a["bytes"]) == (c["syncs"], c["bytes"]) and c["saw"] == 0.5
+    assert [p["val_loss"] for p in plain["runs"][0]["curve"]] == [p["val_loss"] for p in half["runs"][0]["curve"]]
 
 
 def test_denoised_second_moment_at_one_step_is_that_of_the_mean_gradient():

@@ -52,6 +52,12 @@ COUNT_BYTES = 7 * 8  # the sync's count tensor (float64[7]) in flodl_opt.consens
 
 
 # ----------------------------------------------------------------------------- methods
+def saw_factor(t: int, k: int, a: float) -> float:
+    """``-saw{a}``'s inner lr multiplier at the t-th step (0-based) of a window of k: linear from 1 + a
+    to 1 - a, mean 1 over the window."""
+    return 1.0 if k <= 1 else 1.0 + a * (1.0 - 2.0 * t / (k - 1))
+
+
 def method_spec(name: str) -> Dict:
     """A method name -> how its group trains. Names:
 
@@ -72,13 +78,16 @@ def method_spec(name: str) -> Dict:
     ``(g - m)^2`` over the window (nothing sent; see ``sync``); ``-me{N}`` shares the moments of
     ``-avgm*`` only at every N-th sync, over the window since the last share; ``-mbf16`` sends
     ``-avgmvc``'s moments as ``sync_moments_wire="bf16"`` does (each rank's share rounded to bf16,
-    summed in float32, the sum rounded again).
+    summed in float32, the sum rounded again); ``-saw{A}`` makes the inner lr fall linearly inside each
+    window of K local steps, from (1 + A) times the schedule's lr at its first step to (1 - A) at the
+    sync (``saw_factor``), the same lr on average over the window, so the ranks take their smallest
+    steps just before they are averaged.
     """
     parts = name.split("-")
     spec = {"name": name, "kind": "local", "k": 1, "warmup": 0, "outer": None, "wd": 0.01, "ranks": None,
             "auto": None, "lr_scale": 1.0, "avg_m": False, "clip": 1.0, "lvc": False, "svc": False,
-            "m_every": 1, "mbf16": False}
-    while parts[-1] in ("wd0", "avgm", "avgmv", "avgmvc", "lvc", "svc", "mbf16") or parts[-1].startswith(("lrx", "clip")) \
+            "m_every": 1, "mbf16": False, "saw": 0.0}
+    while parts[-1] in ("wd0", "avgm", "avgmv", "avgmvc", "lvc", "svc", "mbf16") or parts[-1].startswith(("lrx", "clip", "saw")) \
             or (parts[-1].startswith("me") and parts[-1][2:].isdigit()):
         if parts[-1] == "wd0":
             spec["wd"] = 0.0
@@ -90,6 +99,10 @@ def method_spec(name: str) -> Dict:
             spec["mbf16"] = True
         elif parts[-1].startswith("me"):
             spec["m_every"] = int(parts[-1][2:])
+        elif parts[-1].startswith("saw"):
+            spec["saw"] = float(parts[-1][3:])
+            if not 0.0 < spec["saw"] < 1.0:
+                raise SystemExit(f"cohort_sim: -saw{{A}} needs 0 < A < 1; {name!r} has A={spec['saw']}")
         elif parts[-1].startswith("clip"):
             spec["clip"] = float(parts[-1][4:]) or math.inf
         elif parts[-1].startswith("avgm"):
@@ -100,6 +113,8 @@ def method_spec(name: str) -> Dict:
     if spec["mbf16"] and spec["avg_m"] != "mvc":
         raise SystemExit(f"cohort_sim: -mbf16 narrows -avgmvc's moments; {name!r} shares none")
     head = parts[0]
+    if spec["saw"] and not (head in ("localsgd", "postlocal", "diloco", "slowmo") and parts[1] != "auto"):
+        raise SystemExit(f"cohort_sim: -saw{{A}} shapes the lr inside a fixed K's window; {name!r} has none")
     if head == "allreduce":
         spec["kind"] = "allreduce"
     elif head == "one":
@@ -292,7 +307,9 @@ def simulate(args) -> Dict:
     # Per-run inner lr multipliers: the shared AdamW steps every row with the base lr, then rows
     # with S != 1 take S times that step (decay included), i.e. AdamW at lr*S. Unused: untouched.
     lr_scale = torch.tensor([g["lr_scale"] for g in groups for _ in g["rows"]], device=dev)[:, None]
-    scaled = bool((lr_scale != 1.0).any())
+    saw_rows = [g for g in groups if g["saw"]]
+    scaled = bool((lr_scale != 1.0).any()) or bool(saw_rows)
+    base_scale, base_wd = lr_scale, wd
     wd = wd * lr_scale
     clip = torch.tensor([g["clip"] for g in groups for _ in g["rows"]], device=dev)[:, None]
     clip = clip if bool((clip != 1.0).any()) else None
@@ -429,6 +446,13 @@ def simulate(args) -> Dict:
         starts = torch.stack([torch.randint(0, train_data.numel() - args.context - 1, (args.batch_size,),
                                             generator=gen) for gen in gens])
         seq = train_dev[(starts[..., None] + ar).to(dev)]
+        if saw_rows:   # -saw: this step's place in its window sets its lr (1 inside a warm-up)
+            fac = torch.ones(R)
+            for g in saw_rows:
+                if g["local_steps"] >= g["warmup"]:
+                    fac[g["start"]:g["start"] + g["ranks"]] = saw_factor(g["since"], g["k"], g["saw"])
+            lr_scale = base_scale * fac.to(dev)[:, None]
+            wd = base_wd * lr_scale
         losses = net.losses(seq[..., :-1], seq[..., 1:])
         grad = net.backward(losses.sum())
         with torch.no_grad():
@@ -490,7 +514,7 @@ def pack(groups, net, t0, partial: bool) -> Dict:
     for g in groups:
         out_groups.append({k: g[k] for k in ("name", "kind", "k", "warmup", "wd", "seed", "ranks", "syncs",
                                              "bytes", "curve", "outer_syncs", "ks", "lr_scale", "avg_m", "clip",
-                                             "lvc", "svc", "m_every", "mbf16") if k in g}
+                                             "lvc", "svc", "m_every", "mbf16", "saw") if k in g}
                           | {"outer": repr(g["outer_obj"]) if g["outer_obj"] is not None else None,
                              "final": g["curve"][-1]})
     return {"config": {**vars(args), "params": net.n_params, "flat_numel": net.numel, "replicas": net.R,

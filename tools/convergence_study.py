@@ -223,6 +223,13 @@ def cells(plan: str) -> List[Dict]:
         cell("wide-r4-s16384-mbf16-b", DEMO, 4, 16384, ["allreduce", "localsgd-k16-avgmvc-mbf16",
                                                         "localsgd-k16-avgmvc-me2-mbf16"],
              wide + ["--seeds", "300,400,500"])
+        # plain K=16 without sending more: the inner lr falling through each window (-saw, mean lr kept),
+        # so the ranks take their smallest steps just before they are averaged
+        cell("wide-r4-s16384-saw", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-saw0.5",
+                                                    "localsgd-k16-saw0.9"], wide)
+        # 3 ranks, where plain K=16 also missed (+2.84%): shared moments in bf16
+        cell("wide-r3-s16384-mbf16", DEMO, 3, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgmvc-mbf16"],
+             wide)
     if plan == "auto-big":   # sync_every="auto" against fixed K on the 4.8M model (~5 min on an H200)
         cell("auto-big-r2-s2048", BIG, 2, 2048, ["localsgd-k4", "localsgd-k16", "localsgd-k64", "localsgd-auto"],
              ["--eval-chunk", "8", "--onehot"])

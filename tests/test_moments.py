@@ -39,13 +39,19 @@ def _reference_run(rank, world):
     """Two syncs after unequal work: every rank's moments before, the shared ones after."""
     model = _model()
     inner, opt = _build(model, sync_every=10 ** 9, sync_moments=True)
+    return _two_shares(rank, model, inner, opt)
+
+
+def _two_shares(rank, model, inner, opt):
+    """Two syncs after unequal work (5/3/4 then 2/6/4 steps): each rank's moments before, the shared
+    ones, the bytes, collectives and weights after."""
     rounds = []
     for steps in ((5, 3, 4), (2, 6, 4)):
         _train(model, opt, rank, steps[rank], start=10 * len(rounds))
         pre = gather_object((_moments(inner, model), steps[rank]))
         stats = opt.sync()
         rounds.append({"pre": pre, "post": _moments(inner, model), "bytes": stats.bytes,
-                       "collectives": stats.collectives})
+                       "collectives": stats.collectives, "params": _flat(model)})
     return rounds
 
 
@@ -149,13 +155,7 @@ def _bf16_run(rank, world):
     model = _model()
     kw = dict(sync_every=10 ** 9, sync_moments=True, sync_moments_wire="bf16")
     inner, opt = _build(model, **kw)
-    rounds = []
-    for steps in ((5, 3, 4), (2, 6, 4)):
-        _train(model, opt, rank, steps[rank], start=10 * len(rounds))
-        pre = gather_object((_moments(inner, model), steps[rank]))
-        stats = opt.sync()
-        rounds.append({"pre": pre, "post": _moments(inner, model), "bytes": stats.bytes,
-                       "collectives": stats.collectives, "params": _flat(model)})
+    rounds = _two_shares(rank, model, inner, opt)
     saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
     _train(model, opt, rank, 3, start=30)
     opt.sync()

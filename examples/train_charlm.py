@@ -77,9 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --sync-moments, share them at every N-th sync only (1 + 3/N x a sync's bytes)")
     p.add_argument("--sync-moments-wire", choices=("fp32", "bf16"), default="fp32",
                    help="with --sync-moments, send the moments in bf16 (summed in float32): half their bytes")
-    p.add_argument("--denoise-moments", action="store_true",
-                   help="take each rank's small-batch noise out of its own AdamW second moment at every "
-                        "step (nothing sent; helps frequent syncs and short runs, see CONVERGENCE.md)")
+    p.add_argument("--denoise-moments", nargs="?", const=True, default=False, choices=(True, "sync"), metavar="sync",
+                   help="take each rank's small-batch noise out of its own AdamW second moment, nothing "
+                        "sent: at every step (bare flag; helps frequent syncs and short runs), or with "
+                        "'sync' at every sync, read from the rank's drift (helps K=16 at 3-4 ranks; "
+                        "see CONVERGENCE.md)")
     p.add_argument("--steps", type=int, default=512, help="optimizer steps per rank")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW lr (cosine decay to 10%%)")

@@ -60,13 +60,33 @@ Adam's own step, so that step's update still sees the newest term uncorrected (w
 taking it out before would need ``v`` to go negative for an instant. Nothing is sent and nothing is added to the
 state: exact resume, restore on failure and every sync mode are those of plain local SGD. It
 assumes every rank's batch has the same size (M counts ranks, not samples).
+
+At the sync, from the rank's own drift (``denoise_moments="sync"``). The consensus already tells
+every rank how far it drifted: ``d = W_i - C``, its params before the sync minus the average. The
+part of its steps that all ranks share cancels in ``d``; what is left is its first moment's
+deviation from the cohort's, summed over the window and divided by Adam's denominator:
+``d = -(lr / bc1) S / (sqrt(v / bc2) + eps)``, ``S = sum_t (m_i,t - mean_j m_j,t)``. Without shared
+moments that deviation is a stationary AR(1) in ``b1``, driven by ``(1 - b1)`` times the rank's
+gradient noise around the cohort's mean gradient (variance ``(1 - 1/M) s^2``), so
+
+    ``E[S^2] = (1 - 1/M) s^2 (1 - b1) / (1 + b1) A_K``,  ``A_K = K + 2 sum_{j<K} (K - j) b1^j``,
+
+and ``S^2`` over that factor is an unbiased reading of ``s^2`` per coordinate. It is exactly the
+spread between the ranks that the average removes, where ``denoise_moments=True``'s ``(g - m)^2``
+sees each rank's noise around its own drifting ``m``. The readings are averaged over syncs (an EMA
+that forgets at ``b2^K`` per sync, as ``v`` does over the window) and the window's excess is taken
+out of the rank's own ``v``: ``v <- max(v - (1 - b2^K)(1 - 1/M) s^2, v / M)``. The reading is capped at
+``v / bc2`` (``E[v] = mu^2 + s^2``): a rank whose ``v`` fell below its peers' would otherwise read their
+longer steps as its own noise and shrink ``v`` further. Nothing is sent. The state is one
+param-sized EMA (in ``state_dict``, so resume is exact); it is written only after a consensus that
+succeeded. It assumes ranks of equal work and batch size (M counts the ranks that moved).
 """
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .consensus import gamma_mass
+from .consensus import SyncStats, gamma_mass
 from .errors import ConfigError, SyncError
 from .wire import DEFAULT_WIRE_BLOCK, _BF16, narrow_sum, narrow_sum_bytes
 
@@ -270,15 +290,110 @@ class LocalDenoise:
                 torch._foreach_sub_(vs, dev)
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, option: str = "sync_moments") -> None:
+def ar_sum_var(k: int, b1: float) -> float:
+    """Var of the sum of k consecutive terms of a stationary AR(1) in b1, in units of one term's: ``A_K``."""
+    return k + 2.0 * sum((k - j) * b1 ** j for j in range(1, k))
+
+
+def drift_reading(d: torch.Tensor, denom: torch.Tensor, lr: float, bc1: float, steps: int, ranks: int,
+                  b1: float) -> torch.Tensor:
+    """One rank's reading of its gradient noise ``s^2`` per coordinate from its drift ``d = W_i - C``
+    after ``steps`` local Adam steps at mean lr ``lr``: ``S^2 / E[S^2 / s^2]`` (formula above).
+    ``denom`` is Adam's ``sqrt(v / bc2) + eps``, ``bc1`` its first bias correction at the sync."""
+    s = d.float() * denom * (bc1 / lr)
+    return s.square_().div_((1.0 - 1.0 / ranks) * (1.0 - b1) / (1.0 + b1) * ar_sum_var(steps, b1))
+
+
+def take_out_excess(v: torch.Tensor, s2: torch.Tensor, steps: int, ranks: int, b2: float) -> torch.Tensor:
+    """``v`` without the ``(1 - b2^K)(1 - 1/M) s^2`` a window of K steps put in, floored at ``v / M``."""
+    return torch.maximum(v - s2 * ((1.0 - b2 ** steps) * (1.0 - 1.0 / ranks)), v / ranks)
+
+
+class DriftDenoise:
+    """Takes each rank's small-batch noise excess out of its own Adam/AdamW second moment at every
+    sync, read from how far its params drifted from the consensus (the formula above; nothing sent).
+
+    Example (4 ranks, each ``torchrun --nproc-per-node 4 train.py``)::
+
+        opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model,
+                                    sync_every=16, denoise_moments="sync")
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]):
+        """``optimizer`` passed ``check_optimizer``; ``params`` in the order of the flat param groups."""
+        self.optimizer, self.params = optimizer, list(params)
+        group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.group_index = [group_of[id(p)] for p in self.params]
+        self.lr_sum = [0.0] * len(optimizer.param_groups)   # the window's lr, per param group
+        self.noise: List[Optional[torch.Tensor]] = [None] * len(self.params)   # EMA of s^2 readings
+        self.weight = 0.0   # 1 - prod(rho): the EMA's bias correction, as Adam's
+
+    def count(self) -> None:
+        """After an inner step that moved the params: its lr joins the window (before the scheduler's step)."""
+        for i, g in enumerate(self.optimizer.param_groups):
+            self.lr_sum[i] += float(g["lr"])
+
+    def reset_window(self) -> None:
+        self.lr_sum = [0.0] * len(self.lr_sum)
+
+    def apply(self, deltas: Sequence[torch.Tensor], flats: Sequence, steps: int, stats: SyncStats) -> None:
+        """After a consensus that succeeded: ``deltas[j]`` is ``W_i_pre - C`` of ``flats[j]`` (FlatGroups)."""
+        ranks = stats.movers
+        if steps <= 0 or ranks < 2 or stats.nonfinite or stats.skipped:
+            self.reset_window()
+            return   # no window of this rank's own, or nothing to compare it with
+        views = {}
+        for d, g in zip(deltas, flats):
+            for t, off in zip(g.tensors, g.offsets):
+                views[id(t)] = d[off:off + t.numel()]
+        rho = None
+        with torch.no_grad():
+            for j, p in enumerate(self.params):
+                st = self.optimizer.state.get(p)
+                lr = self.lr_sum[self.group_index[j]] / steps
+                if not st or "exp_avg_sq" not in st or lr <= 0.0:
+                    continue
+                g = self.optimizer.param_groups[self.group_index[j]]
+                b1, b2 = (float(b) for b in g["betas"])
+                t = float(st["step"])
+                v = st["exp_avg_sq"]
+                vf = v.float().reshape(-1)
+                denom = (vf / (1.0 - b2 ** t)).sqrt_().add_(float(g["eps"]))
+                reading = drift_reading(views[id(p)], denom, lr, 1.0 - b1 ** t, steps, ranks, b1)
+                rho = b2 ** steps
+                if self.noise[j] is None:
+                    self.noise[j] = torch.zeros_like(reading)
+                self.noise[j].mul_(rho).add_(reading, alpha=1.0 - rho)
+                weight = 1.0 - (1.0 - self.weight) * rho
+                # capped at v / bc2: a reading above the second moment it is part of is another rank's step
+                s2 = torch.minimum(self.noise[j] / weight, vf / (1.0 - b2 ** t))
+                v.copy_(take_out_excess(vf, s2, steps, ranks, b2).view_as(v))
+        if rho is not None:
+            self.weight = 1.0 - (1.0 - self.weight) * rho
+        self.reset_window()
+
+    def state_dict(self) -> dict:
+        return {"lr_sum": list(self.lr_sum), "weight": self.weight,
+                "noise": [None if n is None else n.clone() for n in self.noise]}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        if not state:
+            raise ConfigError("flodl_opt: this checkpoint has no denoise_moments='sync' state (saved "
+                              "without the option?): build the optimizer as it was saved")
+        self.lr_sum, self.weight = [float(x) for x in state["lr_sum"]], float(state["weight"])
+        self.noise = [None if n is None else n.to(p.device, torch.float32).reshape(-1)
+                      for n, p in zip(state["noise"], self.params)]
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, option: str = "sync_moments=True") -> None:
     """``option`` needs Adam's moments: ``exp_avg``/``exp_avg_sq`` and ``betas``, no AMSGrad."""
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ConfigError(f"{option}=True works on Adam/AdamW moments; the inner optimizer is "
+        raise ConfigError(f"{option} works on Adam/AdamW moments; the inner optimizer is "
                           f"{type(optimizer).__name__}: use torch.optim.Adam or AdamW, or drop {option}")
     for g in optimizer.param_groups:
         if g.get("amsgrad"):
-            raise ConfigError(f"{option}=True does not cover AMSGrad's running maximum: build the "
+            raise ConfigError(f"{option} does not cover AMSGrad's running maximum: build the "
                               f"inner Adam/AdamW with amsgrad=False, or drop {option}")
         b1, b2 = g["betas"]
         if not (0.0 <= float(b1) < 1.0 and 0.0 <= float(b2) < 1.0):   # NaN fails the range too
-            raise ConfigError(f"{option}=True needs betas in [0, 1), got {g['betas']!r}")
+            raise ConfigError(f"{option} needs betas in [0, 1), got {g['betas']!r}")

@@ -44,7 +44,7 @@ from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
 from .stall import DEFAULT_STALL_WARNING_S, StallWatchdog
 from .wire import DEFAULT_WIRE_BLOCK, make_wire, wire_config
 from .streaming import Schedule, StreamingSync, round_period
-from .moments import MOMENT_WIRES, LocalDenoise, MomentSync, check_optimizer
+from .moments import MOMENT_WIRES, DriftDenoise, LocalDenoise, MomentSync, check_optimizer
 
 STATE_KEY = "flodl_opt"
 STATE_VERSION = 1
@@ -105,9 +105,12 @@ class LocalSGDOptimizer(WrappedOptimizer):
             the steps since the last share: on average ``1 + 3/N`` times a plain sync's bytes.
         sync_moments_wire: with ``sync_moments``, how the moments travel: ``"fp32"`` (default) or
             ``"bf16"`` (half their bytes, summed in float32: ``1 + 1.5/N`` times a plain sync's).
-        denoise_moments: take that excess out of each rank's own Adam/AdamW second moment at
-            every step instead, measured from the rank's own gradients: nothing is sent, and it
-            works with every sync mode (flodl_opt/moments.py). Ranks' batches of equal size.
+        denoise_moments: take that excess out of each rank's own Adam/AdamW second moment
+            instead, with nothing sent: ``True`` at every step, measured from the rank's own
+            gradients (every sync mode); ``"sync"`` at every sync, read from how far the rank's
+            params drifted from the consensus (blocking syncs without an outer optimizer; one
+            param-sized EMA of state). flodl_opt/moments.py has both formulas. Ranks' batches
+            of equal size.
     """
 
     # GradScaler then calls step() even when it found inf/NaN, so a skipped step still ticks the
@@ -123,7 +126,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
                  nonfinite_guard: bool = True, gloo_chunk_bytes: int = DEFAULT_GLOO_CHUNK_BYTES,
                  stall_warning_s: Optional[float] = DEFAULT_STALL_WARNING_S,
                  wire: str = "fp32", wire_block: int = DEFAULT_WIRE_BLOCK, error_feedback: bool = False,
-                 sync_moments: bool = False, denoise_moments: bool = False, sync_moments_every: int = 1,
+                 sync_moments: bool = False, denoise_moments: Union[bool, str] = False, sync_moments_every: int = 1,
                  sync_moments_wire: str = "fp32"):
         _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma)
         self._adaptive: Optional[AdaptiveSync] = make_adaptive(sync_every)
@@ -165,13 +168,17 @@ class LocalSGDOptimizer(WrappedOptimizer):
         if sync_moments_wire != "fp32" and not sync_moments:
             raise ConfigError(f"sync_moments_wire={sync_moments_wire!r} says how sync_moments sends the "
                               "moments: pass sync_moments=True with it, or drop it")
-        if not isinstance(denoise_moments, bool):
-            raise ConfigError(f"denoise_moments must be True or False, got {denoise_moments!r}")
+        if not (isinstance(denoise_moments, bool) or denoise_moments == "sync"):
+            raise ConfigError(f"denoise_moments must be False, True (at every step) or 'sync' (at every "
+                              f"sync), got {denoise_moments!r}")
         if denoise_moments:
-            check_optimizer(optimizer, "denoise_moments")
+            check_optimizer(optimizer, f"denoise_moments={denoise_moments!r}")
             if sync_moments:
                 raise ConfigError("sync_moments=True already takes the noise excess out at every sync; "
-                                  "with denoise_moments=True it would be taken out twice: pick one")
+                                  f"with denoise_moments={denoise_moments!r} it would be taken out twice: "
+                                  "pick one")
+        if denoise_moments == "sync":
+            _validate_drift_denoise(fragments, overlap_steps, keep_presync, outer)
         launch.ensure_init()
         # Share the inner optimizer's param_groups and state (flodl_opt/wrapping.py).
         self._share(optimizer)
@@ -216,8 +223,11 @@ class LocalSGDOptimizer(WrappedOptimizer):
                                        wire=sync_moments_wire, world=group_size)
         # None: each rank's Adam keeps the second moment of its own small batch
         self._denoise: Optional[LocalDenoise] = LocalDenoise(optimizer, group_size) \
-            if denoise_moments and group_size > 1 else None
-        self._denoise_on = bool(denoise_moments)   # as configured (a world of one has nothing to take out)
+            if denoise_moments is True and group_size > 1 else None
+        self._denoise_on = denoise_moments   # as configured (a world of one has nothing to take out)
+        # None: each rank's Adam keeps its excess; else it is taken out at the syncs, from the drift
+        self._drift: Optional[DriftDenoise] = DriftDenoise(optimizer, self._params) \
+            if denoise_moments == "sync" and group_size > 1 else None
         if group_size > 1:
             self._check_same_everywhere()
             if broadcast_initial:
@@ -324,6 +334,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self.optimizer.step()
         else:
             loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        if self._drift is not None and not skipped:
+            self._drift.count()   # the lr this step moved the params with, before the scheduler moves it
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         if self._cuda_index is not None:
@@ -379,6 +391,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
             moments = self._reduce_moments(steps, self._sync_count + 1)   # shared, not yet written
             stats = self._run_consensus(steps, self._sync_count + 1, active=not self._joined)  # count -> reduce -> readout
             self._apply_moments(moments, stats)
+            self._apply_drift(steps, stats)
             if self._moments is not None:
                 self._moments.done(steps, shared=self._moments.due(self._sync_count + 1))
             self._sync_count += 1
@@ -411,6 +424,17 @@ class LocalSGDOptimizer(WrappedOptimizer):
         self._moments.apply(moments)
         stats.collectives += self._moments.collectives_per_share
         stats.bytes += self._moments.bytes_per_sync
+
+    def _apply_drift(self, steps: int, stats: SyncStats) -> None:
+        """denoise_moments="sync", after a consensus that succeeded: this rank's drift ``W_i_pre - C``
+        takes its noise excess out of its own second moment (flodl_opt/moments.py)."""
+        if self._drift is None:
+            return
+        deltas = self._consensus.deltas() if not (stats.skipped or stats.nonfinite) else None
+        if deltas is None:
+            self._drift.reset_window()
+            return
+        self._drift.apply(deltas, self._param_groups_flat, steps, stats)
 
     def _record(self, done: List[SyncStats]) -> None:
         """Counters after streaming syncs: global steps from fragment 0 (each step counted once)."""
@@ -581,6 +605,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
             sd[STATE_KEY]["adaptive"] = self._adaptive.state_dict()
         if self._moments is not None and self._moments.every > 1:
             sd[STATE_KEY]["moments"] = self._moments.state_dict()
+        if self._drift is not None:
+            sd[STATE_KEY]["drift"] = self._drift.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
@@ -620,6 +646,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
             self._stream.load_state_dict(ours["stream"])
         if self._moments is not None:
             self._moments.load_state_dict(ours.get("moments"))
+        if self._drift is not None:
+            self._drift.load_state_dict(ours.get("drift"))
         if self._adaptive is not None and ours.get("adaptive") is not None:
             self._adaptive.load_state_dict(ours["adaptive"])
             self.sync_every = self._adaptive.every
@@ -721,6 +749,20 @@ def _validate_stream(fragments, overlap_steps, sync_every, warmup_steps, keep_pr
         raise ConfigError("fragments/overlap_steps always keep a send snapshot (2/P of the synced "
                           "bytes): drop keep_presync=False")
     Schedule(sync_every, fragments, overlap_steps)  # K % P == 0 and tau < K/P, or ConfigError
+
+
+def _validate_drift_denoise(fragments, overlap_steps, keep_presync, outer) -> None:
+    """denoise_moments="sync" reads each rank's drift from the consensus of a blocking sync of plain averaging."""
+    if fragments > 1 or overlap_steps > 0:
+        raise ConfigError("denoise_moments='sync' reads the drift at blocking syncs; with fragments/"
+                          "overlap_steps use denoise_moments=True (at every step) or drop one of them")
+    if not keep_presync:
+        raise ConfigError("denoise_moments='sync' reads the drift from the pre-sync copy: drop "
+                          "keep_presync=False")
+    if not isinstance(make_outer(outer), OuterAvg):
+        raise ConfigError(f"denoise_moments='sync' is measured for plain averaging only (the outer "
+                          f"step changes what a window's drift says); drop outer={outer!r}, or use "
+                          "denoise_moments=True")
 
 
 def _validate(optimizer, model, sync_every, warmup_steps, max_grad_norm, lr_scheduler, gamma) -> None:

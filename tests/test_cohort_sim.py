@@ -78,12 +78,14 @@ def test_each_method_suffix_sets_only_its_own_option():
                           ("localsgd-k16-svc", {"svc": True}), ("localsgd-k16-avgm-svc", {"avg_m": "m", "svc": True}),
                           ("localsgd-k16-avgmvc-me2", {"avg_m": "mvc", "m_every": 2}),
                           ("localsgd-k16-avgmvc-me2-mbf16", {"avg_m": "mvc", "m_every": 2, "mbf16": True}),
-                          ("localsgd-k16-saw0.5", {"saw": 0.5}), ("localsgd-k16-saw0.9-avgmvc", {"saw": 0.9, "avg_m": "mvc"})]:
+                          ("localsgd-k16-saw0.5", {"saw": 0.5}), ("localsgd-k16-saw0.9-avgmvc", {"saw": 0.9, "avg_m": "mvc"}),
+                          ("localsgd-k16-pvc", {"pvc": True}), ("localsgd-k16-pvcm", {"pvc": True, "pvcm": True})]:
         spec = sim.method_spec(name)
         assert {k: v for k, v in spec.items() if k != "name" and base[k] != v} == changed, name
     with pytest.raises(SystemExit, match="-mbf16 narrows -avgmvc"):
         sim.method_spec("localsgd-k16-avgmv-mbf16")
-    for bad in ("allreduce-saw0.5", "localsgd-auto-saw0.5", "localsgd-k16-saw1", "localsgd-k16-saw0"):
+    for bad in ("allreduce-saw0.5", "localsgd-auto-saw0.5", "localsgd-k16-saw1", "localsgd-k16-saw0",
+                "diloco-h16-pvc", "localsgd-k16-avgmvc-pvc", "localsgd-k16-svc-pvcm", "allreduce-pvc"):
         with pytest.raises(SystemExit):
             sim.method_spec(bad)
 
@@ -110,6 +112,39 @@ def test_a_saw_run_is_the_plain_run_with_its_window_lr(tmp_path):
         assert abs(vc[-1] - va[-1]) > 1e-3, a["name"]
         assert (a["syncs"], a["bytes"]) == (c["syncs"], c["bytes"]) and c["saw"] == 0.5
     assert [p["val_loss"] for p in plain["runs"][0]["curve"]] == [p["val_loss"] for p in half["runs"][0]["curve"]]
+
+
+def test_drift_noise_reads_each_ranks_gradient_noise_from_its_own_deviation_in_float64():
+    """-pvc (the library's denoise_moments="sync" reading): M ranks take Adam-like steps lr * m_i / (bc1 den) from shared params, their first moments a
+    stationary AR(1) of their own noisy gradients; after K steps each rank's deviation from the mean params
+    gives back the noise variance s^2 (unbiased, per coordinate), and -pvcm's beta is the least-squares
+    slope of the last first-moment deviation on S."""
+    import torch
+    from flodl_opt import moments as flo_moments
+    sim = _load_sim()
+    g = torch.Generator().manual_seed(0)
+    M, N, K, b1, lr, bc1 = 4, 20000, 16, 0.9, 1e-3, 0.95
+    s = torch.rand(N, generator=g, dtype=torch.float64) * 2 + 0.1          # per-coordinate noise scale
+    mu = torch.randn(N, generator=g, dtype=torch.float64)                  # the mean gradient, shared
+    den = torch.rand(N, generator=g, dtype=torch.float64) + 0.5
+    m = torch.zeros(M, N, dtype=torch.float64)
+    for _ in range(300):                                                   # burn-in: stationary first moments
+        m = b1 * m + (1 - b1) * (mu + s * torch.randn(M, N, generator=g, dtype=torch.float64))
+    theta = torch.zeros(M, N, dtype=torch.float64)
+    dm_sum = torch.zeros(M, N, dtype=torch.float64)
+    for _ in range(K):
+        m = b1 * m + (1 - b1) * (mu + s * torch.randn(M, N, generator=g, dtype=torch.float64))
+        theta -= lr * m / (bc1 * den)
+        dm_sum += m - m.mean(0)
+    d = theta - theta.mean(0)
+    sample, S = sim.drift_noise(d, den, lr, bc1, K, M, b1)
+    ratio = sample / s ** 2
+    assert float(ratio.mean()) == pytest.approx(1.0, abs=0.03)
+    torch.testing.assert_close(S, dm_sum, rtol=1e-9, atol=1e-12)   # S: the window's first-moment deviations
+    dm = m - m.mean(0)
+    beta = float((dm * S).sum() / (S * S).sum())
+    assert sim.drift_m_share(K, b1) == pytest.approx(beta, rel=0.05)
+    assert sim.drift_m_share(1, b1) == 1.0 and flo_moments.ar_sum_var(1, b1) == 1.0
 
 
 def test_denoised_second_moment_at_one_step_is_that_of_the_mean_gradient():

@@ -263,6 +263,7 @@ def _disagree(rank, world, on_rank0, elsewhere):
 
 @pytest.mark.parametrize("on_rank0, elsewhere, key", [
     ({"denoise_moments": True}, {}, "denoise_moments"),
+    ({"denoise_moments": "sync"}, {"denoise_moments": True}, "denoise_moments"),
     ({"sync_moments": True, "sync_moments_every": 2}, {"sync_moments": True}, "sync_moments_every"),
     ({"sync_moments": True, "sync_moments_wire": "bf16"}, {"sync_moments": True}, "sync_moments_wire"),
 ])
@@ -280,5 +281,5 @@ def test_refused_combinations_say_what_to_change(make, kw, says):
     model = _model()
     with pytest.raises(flo.ConfigError, match=says.replace("(", r"\(")):
         flo.LocalSGDOptimizer(make(model.parameters()), model=model, denoise_moments=True, **kw)
-    with pytest.raises(flo.ConfigError, match="True or False"):
+    with pytest.raises(flo.ConfigError, match=r"False, True \(at every step\) or 'sync'"):
         flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, denoise_moments=1)

@@ -876,3 +876,36 @@ def test_gloo_cuda_denoise_moments_match_float64():
             np.testing.assert_allclose(post["v"], v_ref, rtol=1e-5, atol=1e-6 * np.abs(v_ref).max())
             if t > 1:
                 assert np.abs(v_adam - v_ref).max() > 100 * 1e-6 * np.abs(v_ref).max()
+
+
+# ------------------------------------------------------------------ denoise_moments="sync" on CUDA tensors
+def rank_drift_cuda(rank, world):
+    """Fused AdamW on cuda:0 (Gloo ranks sharing it; its step count is a device tensor): params and
+    moments before and after one explicit sync."""
+    import numpy as np
+    import test_drift_denoise as tdd
+    dev = _gdev()
+    model = _mlp_cuda(dev)
+    inner = torch.optim.AdamW(model.parameters(), lr=tdd.LR, betas=(tdd.B1, tdd.B2), eps=tdd.EPS,
+                              weight_decay=tdd.WD, fused=dev.type == "cuda")
+    opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=10 ** 9, stall_warning_s=None,
+                                denoise_moments="sync")
+    _train_cuda(model, opt, rank, 3, dev)
+    cpu = lambda ts: np.concatenate([t.detach().double().reshape(-1).cpu().numpy() for t in ts])  # noqa: E731
+    state = lambda: (cpu(model.parameters()), cpu(inner.state[p]["exp_avg_sq"] for p in model.parameters()))  # noqa: E731
+    pre = state()
+    opt.sync()
+    return {"pre": pre, "post": state()}
+
+
+def test_gloo_cuda_drift_denoise_matches_float64():
+    import numpy as np
+    import test_drift_denoise as tdd
+    out = run_ranks(rank_drift_cuda, 3, timeout=180, collective_timeout=60)
+    c = np.mean([r["pre"][0] for r in out], axis=0)
+    for r in out:
+        want, *_ = tdd._corrected(r["pre"][0] - c, r["pre"][1], 3, 3, tdd.LR, 3, 0.0, 0.0)
+        np.testing.assert_allclose(r["post"][0], c, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(r["post"][1], want, rtol=1e-4, atol=1e-9)
+        assert np.abs(want - r["pre"][1]).max() > 1e-3 * np.abs(want).max()
+        assert np.array_equal(r["post"][0], out[0]["post"][0])

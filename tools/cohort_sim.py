@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import flodl_opt as flo  # noqa: E402
 from flodl_opt.adaptive import DRIFT_BYTES, CohortDrift  # noqa: E402
 from flodl_opt.flat import aligned_offsets  # noqa: E402
-from flodl_opt.moments import denoised_moments  # noqa: E402
+from flodl_opt.moments import ar_sum_var, denoised_moments, drift_reading, take_out_excess  # noqa: E402
 import train_charlm as demo  # noqa: E402
 
 COUNT_BYTES = 7 * 8  # the sync's count tensor (float64[7]) in flodl_opt.consensus
@@ -56,6 +56,21 @@ def saw_factor(t: int, k: int, a: float) -> float:
     """``-saw{a}``'s inner lr multiplier at the t-th step (0-based) of a window of k: linear from 1 + a
     to 1 - a, mean 1 over the window."""
     return 1.0 if k <= 1 else 1.0 + a * (1.0 - 2.0 * t / (k - 1))
+
+
+def drift_noise(d: torch.Tensor, denom: torch.Tensor, lr: float, bc1: float, k: int, ranks: int,
+                b1: float = 0.9) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``-pvc``: ``(s^2 reading, S)`` of each rank from its own deviation ``d = W_i - C`` at a sync after
+    ``k`` local steps, nothing sent: the library's ``denoise_moments="sync"`` reading
+    (flodl_opt/moments.py has the formula and why), and ``S``, the window's first-moment deviations
+    from the cohort's in raw ``m`` units, for ``-pvcm``."""
+    return drift_reading(d, denom, lr, bc1, k, ranks, b1), d * (-bc1 / lr) * denom
+
+
+def drift_m_share(k: int, b1: float = 0.9) -> float:
+    """``-pvcm``: the regression of the last first-moment deviation on ``S`` (the stationary AR(1) above):
+    ``E[dm_k | S] = beta S``, so ``m - beta S`` is the rank's best guess of the cohort's mean ``m``."""
+    return sum(b1 ** j for j in range(k)) / ar_sum_var(k, b1)
 
 
 def method_spec(name: str) -> Dict:
@@ -75,7 +90,10 @@ def method_spec(name: str) -> Dict:
     ``-lvc`` takes the small-batch noise excess out of each rank's own second moment at every step,
     with no communication (each rank's noise from its own ``(g - m)^2``); ``-svc`` takes the same
     excess out only at the sync, all of the window's at once, from an EMA of each rank's own
-    ``(g - m)^2`` over the window (nothing sent; see ``sync``); ``-me{N}`` shares the moments of
+    ``(g - m)^2`` over the window (nothing sent; see ``sync``); ``-pvc`` takes it out at the sync too, with
+    each rank's noise read from its own deviation from the mean params (``drift_noise``, nothing sent),
+    an EMA over syncs; ``-pvcm`` also moves each rank's first moment to its estimate of the cohort's mean
+    (``drift_m_share``); ``-me{N}`` shares the moments of
     ``-avgm*`` only at every N-th sync, over the window since the last share; ``-mbf16`` sends
     ``-avgmvc``'s moments as ``sync_moments_wire="bf16"`` does (each rank's share rounded to bf16,
     summed in float32, the sum rounded again); ``-saw{A}`` makes the inner lr fall linearly inside each
@@ -86,8 +104,8 @@ def method_spec(name: str) -> Dict:
     parts = name.split("-")
     spec = {"name": name, "kind": "local", "k": 1, "warmup": 0, "outer": None, "wd": 0.01, "ranks": None,
             "auto": None, "lr_scale": 1.0, "avg_m": False, "clip": 1.0, "lvc": False, "svc": False,
-            "m_every": 1, "mbf16": False, "saw": 0.0}
-    while parts[-1] in ("wd0", "avgm", "avgmv", "avgmvc", "lvc", "svc", "mbf16") or parts[-1].startswith(("lrx", "clip", "saw")) \
+            "m_every": 1, "mbf16": False, "saw": 0.0, "pvc": False, "pvcm": False}
+    while parts[-1] in ("wd0", "avgm", "avgmv", "avgmvc", "lvc", "svc", "mbf16", "pvc", "pvcm") or parts[-1].startswith(("lrx", "clip", "saw")) \
             or (parts[-1].startswith("me") and parts[-1][2:].isdigit()):
         if parts[-1] == "wd0":
             spec["wd"] = 0.0
@@ -97,6 +115,8 @@ def method_spec(name: str) -> Dict:
             spec["svc"] = True
         elif parts[-1] == "mbf16":
             spec["mbf16"] = True
+        elif parts[-1] in ("pvc", "pvcm"):
+            spec["pvc"], spec["pvcm"] = True, parts[-1] == "pvcm"
         elif parts[-1].startswith("me"):
             spec["m_every"] = int(parts[-1][2:])
         elif parts[-1].startswith("saw"):
@@ -113,6 +133,8 @@ def method_spec(name: str) -> Dict:
     if spec["mbf16"] and spec["avg_m"] != "mvc":
         raise SystemExit(f"cohort_sim: -mbf16 narrows -avgmvc's moments; {name!r} shares none")
     head = parts[0]
+    if spec["pvc"] and (spec["avg_m"] or spec["svc"] or spec["lvc"] or head not in ("localsgd", "sync")):
+        raise SystemExit(f"cohort_sim: -pvc reads plain local SGD's drift (own moments, no outer step); {name!r}")
     if spec["saw"] and not (head in ("localsgd", "postlocal", "diloco", "slowmo") and parts[1] != "auto"):
         raise SystemExit(f"cohort_sim: -saw{{A}} shapes the lr inside a fixed K's window; {name!r} has none")
     if head == "allreduce":
@@ -337,7 +359,7 @@ def simulate(args) -> Dict:
     sync_bytes = N * 4 + COUNT_BYTES
     grad_bytes = net.n_params * 4
     for g in groups:
-        g.update(local_steps=0, since=0, msince=0, syncs=0, bytes=0, curve=[], train_sum=0.0, train_n=0,
+        g.update(local_steps=0, since=0, msince=0, lr_sum=0.0, pvc_s2=None, pvc_w=0.0, syncs=0, bytes=0, curve=[], train_sum=0.0, train_n=0,
                  outer_obj=build_outer(g), pg_norm=None, outer_syncs=0,
                  auto_obj=flo.AdaptiveSync(**g["auto"]) if g["auto"] is not None else None, ks=[])
         if g["outer_obj"] is not None:
@@ -366,6 +388,27 @@ def simulate(args) -> Dict:
             g["curve"].append(pt)
             g["train_sum"], g["train_n"] = 0.0, 0
 
+    def drift_correct(g: Dict, rows: slice, c: torch.Tensor) -> None:
+        """-pvc / -pvcm at the sync, before the average replaces each rank's params (see drift_noise)."""
+        st = inner.state[flat]
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        b1, b2 = inner.param_groups[0]["betas"]
+        k, ranks = max(1, g["since"]), g["ranks"]
+        t = float(st["step"])
+        denom = (v[rows] / (1 - b2 ** t)).sqrt_().add_(inner.param_groups[0]["eps"])
+        sample, s = drift_noise(flat.detach()[rows] - c, denom, g["lr_sum"] / k, 1 - b1 ** t, k, ranks, b1)
+        rho = b2 ** k   # the EMA forgets over syncs as v does over the steps between them
+        if g["pvc_s2"] is None:
+            g["pvc_s2"] = torch.zeros_like(sample)
+        g["pvc_s2"].mul_(rho).add_(sample, alpha=1 - rho)
+        g["pvc_w"] = 1 - (1 - g["pvc_w"]) * rho
+        # the noise cannot exceed the second moment it is part of (E[v] = mu^2 + s^2): without this cap a
+        # rank whose v fell below its peers' reads their longer steps as its own noise and runs away
+        vhat = v[rows] / (1 - b2 ** t)
+        v[rows] = take_out_excess(v[rows], torch.minimum(g["pvc_s2"] / g["pvc_w"], vhat), k, ranks, b2)
+        if g["pvcm"]:
+            m[rows] = m[rows] - drift_m_share(k, b1) * s
+
     def sync(g: Dict) -> None:
         rows = slice(g["start"], g["start"] + g["ranks"])
         with torch.no_grad():
@@ -384,6 +427,8 @@ def simulate(args) -> Dict:
                     g["pg_norm"] = float((outer.anchor[0] - c).norm())
                     outer.step([_Group(c)], None, float(inner.param_groups[0]["lr"]) * g["lr_scale"])
                     g["outer_syncs"] += 1
+            if g["pvc"] and "exp_avg_sq" in inner.state[flat]:
+                drift_correct(g, rows, c)
             flat.detach()[rows] = c
             share = bool(g["avg_m"]) and (g["syncs"] + 1) % g["m_every"] == 0
             b1, b2 = inner.param_groups[0]["betas"]
@@ -405,7 +450,7 @@ def simulate(args) -> Dict:
         g["syncs"] += 1
         extra = {"m": 1, "mv": 2, "mvc": 3}.get(g["avg_m"] or "", 0) if share else 0   # mvc: m, m^2, v
         g["bytes"] += sync_bytes + N * (2 if g["mbf16"] else 4) * extra
-        g["since"] = 0
+        g["since"], g["lr_sum"] = 0, 0.0
         if share:
             g["msince"] = 0
 
@@ -472,6 +517,7 @@ def simulate(args) -> Dict:
                 b2 = inner.param_groups[0]["betas"][1]
                 noise.mul_(b2).add_((grad[svc_idx] - inner.state[flat]["exp_avg"][svc_idx]).square(), alpha=1 - b2)
                 noise_w[0] = 1 - (1 - noise_w[0]) * b2
+        step_lr = float(inner.param_groups[0]["lr"])
         inner.step()
         if excess is not None:
             with torch.no_grad():
@@ -488,6 +534,7 @@ def simulate(args) -> Dict:
                 g["syncs"] += 1
                 g["bytes"] += grad_bytes
         for g in local_groups:
+            g["lr_sum"] += step_lr * g["lr_scale"]
             g["local_steps"] += 1
             g["since"] += 1
             g["msince"] += 1
@@ -514,7 +561,7 @@ def pack(groups, net, t0, partial: bool) -> Dict:
     for g in groups:
         out_groups.append({k: g[k] for k in ("name", "kind", "k", "warmup", "wd", "seed", "ranks", "syncs",
                                              "bytes", "curve", "outer_syncs", "ks", "lr_scale", "avg_m", "clip",
-                                             "lvc", "svc", "m_every", "mbf16", "saw") if k in g}
+                                             "lvc", "svc", "m_every", "mbf16", "saw", "pvc", "pvcm") if k in g}
                           | {"outer": repr(g["outer_obj"]) if g["outer_obj"] is not None else None,
                              "final": g["curve"][-1]})
     return {"config": {**vars(args), "params": net.n_params, "flat_numel": net.numel, "replicas": net.R,

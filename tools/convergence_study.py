@@ -227,6 +227,20 @@ def cells(plan: str) -> List[Dict]:
         # so the ranks take their smallest steps just before they are averaged
         cell("wide-r4-s16384-saw", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-saw0.5",
                                                     "localsgd-k16-saw0.9"], wide)
+        # plain K=16's bytes: each rank's noise excess read from its own deviation from the mean params at
+        # the sync (-pvc; -pvcm also moves its first moment to its estimate of the mean); K=1 checks the reading
+        cell("wide-r4-s16384-pvc", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-pvc",
+                                                    "localsgd-k16-pvcm", "sync-k1-pvc"], wide)
+        cell("wide-r4-s16384-pvc-b", DEMO, 4, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-pvc",
+                                                      "localsgd-k16-pvcm"], wide + ["--seeds", "300,400,500"])
+        # denoise_moments="sync" (the sim's -pvc) where plain K=16 missed too (3 ranks), where it met (2 ranks),
+        # and at the short budgets of 4 ranks
+        for ranks in (3, 2):
+            cell(f"wide-r{ranks}-s16384-pvc", DEMO, ranks, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-pvc"],
+                 wide)
+        for steps in (1024, 4096):
+            cell(f"wide-r4-s{steps}-pvc", DEMO, 4, steps, ["allreduce", "localsgd-k16", "localsgd-k16-pvc"],
+                 wide_at(steps))
         # 3 ranks, where plain K=16 also missed (+2.84%): shared moments in bf16
         cell("wide-r3-s16384-mbf16", DEMO, 3, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-avgmvc-mbf16"],
              wide)

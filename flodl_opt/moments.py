@@ -1,9 +1,10 @@
 """The inner Adam/AdamW second moment without each rank's small-batch noise excess.
 
-Two ways, one cause (below): ``LocalSGDOptimizer(..., denoise_moments=True)`` corrects every
-rank's own second moment at every step and sends nothing (``LocalDenoise``);
-``sync_moments=True`` shares both moments at every sync, the excess taken out there
-(``MomentSync``, 4x the sync's bytes).
+Three ways, one cause (below): ``LocalSGDOptimizer(..., sync_moments=True)`` shares both moments
+at every sync, the excess taken out there (``MomentSync``, 4x the sync's bytes);
+``denoise_moments=True`` corrects every rank's own second moment at every step and sends nothing
+(``LocalDenoise``); ``denoise_moments="sync"`` corrects it at every sync, from how far the rank
+drifted from the consensus, and sends nothing either (``DriftDenoise``).
 
 Why. Between syncs every rank's AdamW sees only its own share of the batch. Its second moment
 ``v_i`` sums the squares of those small-batch gradients, so where the gradient noise dominates it is

@@ -33,7 +33,8 @@ overlap_steps=2``: a quarter of the model at a time, in flight while 2 more inne
 ``localsgd-auto`` (``sync_every="auto"``), ``-moments`` (``sync_moments=True``: AdamW's moments
 shared at every sync, 4x a plain sync's bytes) and ``-moments2`` (``sync_moments_every=2``: at every
 second sync, 2.5x), ``-moments-bf16`` / ``-moments2-bf16`` (the same, ``sync_moments_wire="bf16"``: 2.5x
-and 1.75x). A new sync mode is one more row.
+and 1.75x), ``-dsync`` (``denoise_moments="sync"``: each rank's AdamW second moment corrected at the
+sync from its own drift, a plain sync's bytes). A new sync mode is one more row.
 
 Streaming rows never hold one consensus of the whole model (fragments sync at different steps), so
 their evaluation uses the ranks' mean weights (one all-reduce, outside the clock and the byte count):
@@ -108,6 +109,7 @@ METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "localsgd-k16-moments-bf16": ("local", {"sync_every": 16, "sync_moments": True, "sync_moments_wire": "bf16"}),
     "localsgd-k16-moments2-bf16": ("local", {"sync_every": 16, "sync_moments": True, "sync_moments_every": 2,
                                              "sync_moments_wire": "bf16"}),
+    "localsgd-k16-dsync": ("local", {"sync_every": 16, "denoise_moments": "sync"}),
 }
 ANCHOR = "ddp"
 LABELS = {"ddp": "torch DDP (anchor)", "distopt": "flo.DistributedOptimizer",
@@ -119,7 +121,8 @@ LABELS = {"ddp": "torch DDP (anchor)", "distopt": "flo.DistributedOptimizer",
           "localsgd-k16-moments": "local SGD, K=16, sync_moments",
           "localsgd-k16-moments2": "local SGD, K=16, sync_moments every 2nd sync",
           "localsgd-k16-moments-bf16": "local SGD, K=16, sync_moments, bf16 moments",
-          "localsgd-k16-moments2-bf16": "local SGD, K=16, sync_moments every 2nd sync, bf16 moments"}
+          "localsgd-k16-moments2-bf16": "local SGD, K=16, sync_moments every 2nd sync, bf16 moments",
+          "localsgd-k16-dsync": "local SGD, K=16, denoise_moments='sync'"}
 
 SUBNET = "10.213.0"      # rank i is SUBNET.(10 + i)/24
 VETH = "flwan0"          # the rank's interface inside its namespace
@@ -578,7 +581,8 @@ def plot(results: Dict[str, Dict[str, Any]], path: str) -> None:
               "localsgd-k16-int8": "tab:cyan", "diloco-h64-int8": "tab:brown",
               "localsgd-k16-stream": "tab:green", "diloco-h64-stream": "tab:red", "localsgd-auto": "tab:purple",
               "localsgd-k16-moments": "tab:pink", "localsgd-k16-moments2": "tab:olive",
-              "localsgd-k16-moments-bf16": "magenta", "localsgd-k16-moments2-bf16": "darkgoldenrod"}
+              "localsgd-k16-moments-bf16": "magenta", "localsgd-k16-moments2-bf16": "darkgoldenrod",
+              "localsgd-k16-dsync": "navy"}
 
     def style(name: str) -> str:
         return ("--" if name == "distopt" or name.endswith("-int8") else ":" if name.endswith("-stream")

@@ -238,6 +238,8 @@ def cells(plan: str) -> List[Dict]:
         for ranks in (3, 2):
             cell(f"wide-r{ranks}-s16384-pvc", DEMO, ranks, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-pvc"],
                  wide)
+        cell("wide-r3-s16384-pvc-b", DEMO, 3, 16384, ["allreduce", "localsgd-k16", "localsgd-k16-pvc"],
+             wide + ["--seeds", "300,400,500"])
         for steps in (1024, 4096):
             cell(f"wide-r4-s{steps}-pvc", DEMO, 4, steps, ["allreduce", "localsgd-k16", "localsgd-k16-pvc"],
                  wide_at(steps))

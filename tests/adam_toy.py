@@ -30,6 +30,24 @@ def train(net: nn.Module, opt, rank: int, steps: int, start: int = 0) -> None:
         opt.step()
 
 
+def recorded_steps(net: nn.Module, inner: torch.optim.Optimizer, opt, rank: int, steps: int,
+                   with_lr: bool = False) -> list:
+    """Steps 1..steps as ``(pre, post)``: params, gradients and (after step 1) moments before each step,
+    with ``with_lr`` the lr it used; params and moments after it."""
+    out = []
+    for t in range(1, steps + 1):
+        opt.zero_grad()
+        backward(net, rank, t)
+        pre = {"p": flat(net), "g": vec(p.grad for p in net.parameters())}
+        if with_lr:
+            pre["lr"] = inner.param_groups[0]["lr"]
+        if t > 1:
+            pre["m"], pre["v"] = moments(inner, net)
+        opt.step()
+        out.append((pre, {"p": flat(net), **dict(zip("mv", moments(inner, net)))}))
+    return out
+
+
 def vec(ts) -> np.ndarray:
     return np.concatenate([t.detach().double().reshape(-1).numpy() for t in ts])
 

@@ -252,3 +252,11 @@ def assert_option_off_identical(results: list, base_dir) -> None:
             assert all(np.array_equal(x, y) for x, y in zip(d[("default", outer)], d[("off", outer)]))
             if base_dir is not None:
                 assert all(np.array_equal(x, y) for x, y in zip(d[("default", outer)], d[("base", outer)]))
+
+
+def assert_default_identical(results: list, base_dir, commit: str, option: str) -> None:
+    """``assert_option_off_identical``, then a skip that says so where git lacks ``commit``."""
+    import pytest
+    assert_option_off_identical(results, base_dir)
+    if base_dir is None:
+        pytest.skip(f"git has no commit {commit}: compared the default with {option}=False only")

@@ -18,8 +18,8 @@ import torch
 import flodl_opt as flo
 from adam_toy import adamw_option_off_runs
 from adam_toy import backward as _backward, flat as _flat, model as _model, moments as _moments, train as _train
-from adam_toy import vec as _vec
-from dist_harness import assert_option_off_identical, run_ranks, run_with_base
+from adam_toy import recorded_steps as _recorded_steps, vec as _vec
+from dist_harness import assert_default_identical, run_ranks, run_with_base
 
 BASE_COMMIT = "1069516"   # the last commit without denoise_moments
 B1, B2, LR, EPS = 0.9, 0.95, 1e-2, 1e-8
@@ -44,17 +44,7 @@ def _reference_run(rank, world, name):
     inner = build(model.parameters())
     opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=10 ** 9, max_grad_norm=clip,
                                 stall_warning_s=None, denoise_moments=True)
-    steps = []
-    for t in range(1, 6):
-        opt.zero_grad()
-        _backward(model, rank, t)
-        ps = list(model.parameters())
-        pre = {"p": _flat(model), "g": _vec(p.grad for p in ps)}
-        if t > 1:
-            pre["m"], pre["v"] = _moments(inner, model)
-        opt.step()
-        steps.append((pre, {"p": _flat(model), **dict(zip("mv", _moments(inner, model)))}))
-    return steps
+    return _recorded_steps(model, inner, opt, rank, 5)
 
 
 def _closure_run(rank, world):
@@ -227,16 +217,13 @@ def test_every_sync_mode_ends_with_identical_ranks_and_the_option_acts(ranks, mo
 
 
 def test_default_is_bit_identical_to_the_commit_before_the_option(ranks):
-    res, base = ranks
-    assert_option_off_identical(res, base)
-    if base is None:
-        pytest.skip(f"git has no commit {BASE_COMMIT}: compared the default with denoise_moments=False only")
+    assert_default_identical(*ranks, BASE_COMMIT, "denoise_moments")
 
 
 # ------------------------------------------------------------------ one rank, ranks that disagree
-def _one_rank(rank, world):
+def _one_rank(rank, world, value):
     out = []
-    for on in (False, True):
+    for on in (False, value):
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), lr=LR)
         opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=3, stall_warning_s=None, denoise_moments=on)
@@ -245,10 +232,12 @@ def _one_rank(rank, world):
     return out
 
 
-def test_a_world_of_one_has_nothing_to_take_out():
-    (off, on), = run_ranks(_one_rank, 1, timeout=60)
+@pytest.mark.parametrize("value", [True, "sync"])
+def test_a_world_of_one_has_nothing_to_take_out(value):
+    """At every step or at the sync (``denoise_moments="sync"``, tests/test_drift_denoise.py)."""
+    (off, on), = run_ranks(_one_rank, 1, value, timeout=60)
     assert all(np.array_equal(x, y) for x, y in zip(off[:3], on[:3]))
-    assert (off[3], on[3]) == (False, True)
+    assert (off[3], on[3]) == (False, value)
 
 
 def _disagree(rank, world, on_rank0, elsewhere):

@@ -5,7 +5,7 @@ The syncs are checked against the formula of flodl_opt/moments.py written here i
 ranks' own Adam steps (AdamW with weight decay, an lr scheduler, two syncs so the EMA carries over).
 Also: identical params after a sync with each rank's own moments, exact resume from the middle of a
 window, a NaN rank, uneven data under ``join()``, a peer killed in the consensus (nothing written),
-a world of one, refusals, and the default bit-identical to the commit before the option.
+refusals, and the default bit-identical to the commit before the option.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 import flodl_opt as flo
 from adam_toy import adamw_option_off_runs
-from adam_toy import backward as _backward, flat as _flat, model as _model, moments as _moments, train as _train
-from adam_toy import vec as _vec
-from dist_harness import assert_option_off_identical, run_ranks, run_with_base, survivor_verdict, sync_error_verdict
+from adam_toy import flat as _flat, model as _model, moments as _moments, train as _train
+from adam_toy import recorded_steps as _recorded_steps
+from dist_harness import assert_default_identical, run_ranks, run_with_base, survivor_verdict, sync_error_verdict
 
 BASE_COMMIT = "594da5f"   # the last commit without denoise_moments="sync"
 B1, B2, LR, EPS, WD = 0.9, 0.95, 1e-2, 1e-8, 0.01
@@ -47,16 +47,7 @@ def _reference_run(rank, world):
     the lr it used, and the state after it."""
     model = _model()
     inner, opt = _build(model)
-    steps = []
-    for t in range(1, 2 * K + 1):
-        opt.zero_grad()
-        _backward(model, rank, t)
-        pre = {"p": _flat(model), "g": _vec(p.grad for p in model.parameters()), "lr": inner.param_groups[0]["lr"]}
-        if t > 1:
-            pre["m"], pre["v"] = _moments(inner, model)
-        opt.step()
-        steps.append((pre, {"p": _flat(model), **dict(zip("mv", _moments(inner, model)))}))
-    return steps
+    return _recorded_steps(model, inner, opt, rank, 2 * K, with_lr=True)
 
 
 def _resume_run(rank, world):
@@ -220,10 +211,7 @@ def test_join_with_uneven_data_ends_with_identical_params(ranks):
 
 
 def test_default_is_bit_identical_to_the_commit_before_the_option(ranks):
-    res, base = ranks
-    assert_option_off_identical(res, base)
-    if base is None:
-        pytest.skip(f"git has no commit {BASE_COMMIT}: compared the default with denoise_moments=False only")
+    assert_default_identical(*ranks, BASE_COMMIT, "denoise_moments")
 
 
 # ------------------------------------------------------------------ a peer dies in the consensus
@@ -260,23 +248,7 @@ def test_peer_killed_in_the_consensus_leaves_params_moments_and_the_noise_estima
     assert r["drift"]["lr_sum"] == [pytest.approx(LR * sum(_lr_factor(t) for t in range(K)))]   # kept for a retry
 
 
-# ------------------------------------------------------------------ one rank, refusals
-def _one_rank(rank, world):
-    out = []
-    for on in (False, "sync"):
-        model = _model()
-        inner, opt = _build(model, denoise_moments=on)
-        _train(model, opt, rank, 7)
-        out.append((_flat(model), *_moments(inner, model), opt.config()["denoise_moments"]))
-    return out
-
-
-def test_a_world_of_one_has_nothing_to_take_out():
-    (off, on), = run_ranks(_one_rank, 1, timeout=60)
-    assert all(np.array_equal(x, y) for x, y in zip(off[:3], on[:3]))
-    assert (off[3], on[3]) == (False, "sync")
-
-
+# ------------------------------------------------------------------ refusals (a world of one: test_denoise.py)
 @pytest.mark.parametrize("make, kw, says", [
     (lambda ps: torch.optim.SGD(ps, lr=0.1), {}, "denoise_moments='sync' works on Adam/AdamW moments"),
     (lambda ps: torch.optim.AdamW(ps, amsgrad=True), {}, "amsgrad=False"),

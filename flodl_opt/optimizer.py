@@ -108,7 +108,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         denoise_moments: take that excess out of each rank's own Adam/AdamW second moment
             instead, with nothing sent: ``True`` at every step, measured from the rank's own
             gradients (every sync mode); ``"sync"`` at every sync, read from how far the rank's
-            params drifted from the consensus (blocking syncs without an outer optimizer; one
+            params drifted from the consensus (blocking float32 syncs without an outer optimizer; one
             param-sized EMA of state). flodl_opt/moments.py has both formulas. Ranks' batches
             of equal size.
     """
@@ -178,7 +178,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
                                   f"with denoise_moments={denoise_moments!r} it would be taken out twice: "
                                   "pick one")
         if denoise_moments == "sync":
-            _validate_drift_denoise(fragments, overlap_steps, keep_presync, outer)
+            _validate_drift_denoise(fragments, overlap_steps, keep_presync, outer, wire)
         launch.ensure_init()
         # Share the inner optimizer's param_groups and state (flodl_opt/wrapping.py).
         self._share(optimizer)
@@ -751,7 +751,7 @@ def _validate_stream(fragments, overlap_steps, sync_every, warmup_steps, keep_pr
     Schedule(sync_every, fragments, overlap_steps)  # K % P == 0 and tau < K/P, or ConfigError
 
 
-def _validate_drift_denoise(fragments, overlap_steps, keep_presync, outer) -> None:
+def _validate_drift_denoise(fragments, overlap_steps, keep_presync, outer, wire) -> None:
     """denoise_moments="sync" reads each rank's drift from the consensus of a blocking sync of plain averaging."""
     if fragments > 1 or overlap_steps > 0:
         raise ConfigError("denoise_moments='sync' reads the drift at blocking syncs; with fragments/"
@@ -759,6 +759,10 @@ def _validate_drift_denoise(fragments, overlap_steps, keep_presync, outer) -> No
     if not keep_presync:
         raise ConfigError("denoise_moments='sync' reads the drift from the pre-sync copy: drop "
                           "keep_presync=False")
+    if wire != "fp32":
+        raise ConfigError(f"denoise_moments='sync' is measured with the float32 sync only (a compressed "
+                          f"consensus adds its rounding to the drift it reads): drop wire={wire!r}, or use "
+                          "denoise_moments=True")
     if not isinstance(make_outer(outer), OuterAvg):
         raise ConfigError(f"denoise_moments='sync' is measured for plain averaging only (the outer "
                           f"step changes what a window's drift says); drop outer={outer!r}, or use "

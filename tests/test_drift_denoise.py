@@ -257,6 +257,7 @@ def test_peer_killed_in_the_consensus_leaves_params_moments_and_the_noise_estima
     (lambda ps: torch.optim.AdamW(ps), {"overlap_steps": 1}, "with fragments/overlap_steps use denoise_moments=True"),
     (lambda ps: torch.optim.AdamW(ps), {"keep_presync": False}, "drop keep_presync=False"),
     (lambda ps: torch.optim.AdamW(ps), {"outer": "diloco"}, "drop outer='diloco'"),
+    (lambda ps: torch.optim.AdamW(ps), {"wire": "int8"}, "drop wire='int8'"),
     (lambda ps: torch.optim.AdamW(ps), {"outer": flo.SlowMo()}, "measured for plain averaging only"),
 ])
 def test_refused_combinations_say_what_to_change(make, kw, says):

@@ -327,7 +327,8 @@ class DriftDenoise:
         self.group_index = [group_of[id(p)] for p in self.params]
         self.lr_sum = [0.0] * len(optimizer.param_groups)   # the window's lr, per param group
         self.noise: List[Optional[torch.Tensor]] = [None] * len(self.params)   # EMA of s^2 readings
-        self.weight = 0.0   # 1 - prod(rho): the EMA's bias correction, as Adam's
+        # per param, 1 - prod(rho): the EMA's bias correction, as Adam's (rho follows its group's b2)
+        self.weight: List[float] = [0.0] * len(self.params)
 
     def count(self) -> None:
         """After an inner step that moved the params: its lr joins the window (before the scheduler's step)."""
@@ -337,17 +338,18 @@ class DriftDenoise:
     def reset_window(self) -> None:
         self.lr_sum = [0.0] * len(self.lr_sum)
 
-    def apply(self, deltas: Sequence[torch.Tensor], flats: Sequence, steps: int, stats: SyncStats) -> None:
-        """After a consensus that succeeded: ``deltas[j]`` is ``W_i_pre - C`` of ``flats[j]`` (FlatGroups)."""
-        ranks = stats.movers
-        if steps <= 0 or ranks < 2 or stats.nonfinite or stats.skipped:
-            self.reset_window()
-            return   # no window of this rank's own, or nothing to compare it with
+    @staticmethod
+    def applies(steps: int, stats: SyncStats) -> bool:
+        """A window of this rank's own, and peers that moved to compare it with."""
+        return steps > 0 and stats.movers >= 2 and not (stats.nonfinite or stats.skipped)
+
+    def apply(self, deltas: Sequence[torch.Tensor], flats: Sequence, steps: int, ranks: int) -> None:
+        """After a consensus that ``applies``: ``deltas[j]`` is ``W_i_pre - C`` of ``flats[j]`` (FlatGroups),
+        ``ranks`` the ranks that moved."""
         views = {}
         for d, g in zip(deltas, flats):
             for t, off in zip(g.tensors, g.offsets):
                 views[id(t)] = d[off:off + t.numel()]
-        rho = None
         with torch.no_grad():
             for j, p in enumerate(self.params):
                 st = self.optimizer.state.get(p)
@@ -359,29 +361,28 @@ class DriftDenoise:
                 t = float(st["step"])
                 v = st["exp_avg_sq"]
                 vf = v.float().reshape(-1)
-                denom = (vf / (1.0 - b2 ** t)).sqrt_().add_(float(g["eps"]))
-                reading = drift_reading(views[id(p)], denom, lr, 1.0 - b1 ** t, steps, ranks, b1)
+                vhat = vf / (1.0 - b2 ** t)
+                reading = drift_reading(views[id(p)], vhat.sqrt().add_(float(g["eps"])), lr, 1.0 - b1 ** t,
+                                        steps, ranks, b1)
                 rho = b2 ** steps
                 if self.noise[j] is None:
                     self.noise[j] = torch.zeros_like(reading)
                 self.noise[j].mul_(rho).add_(reading, alpha=1.0 - rho)
-                weight = 1.0 - (1.0 - self.weight) * rho
+                self.weight[j] = 1.0 - (1.0 - self.weight[j]) * rho
                 # capped at v / bc2: a reading above the second moment it is part of is another rank's step
-                s2 = torch.minimum(self.noise[j] / weight, vf / (1.0 - b2 ** t))
+                s2 = torch.minimum(self.noise[j] / self.weight[j], vhat)
                 v.copy_(take_out_excess(vf, s2, steps, ranks, b2).view_as(v))
-        if rho is not None:
-            self.weight = 1.0 - (1.0 - self.weight) * rho
         self.reset_window()
 
     def state_dict(self) -> dict:
-        return {"lr_sum": list(self.lr_sum), "weight": self.weight,
+        return {"lr_sum": list(self.lr_sum), "weight": list(self.weight),
                 "noise": [None if n is None else n.clone() for n in self.noise]}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         if not state:
             raise ConfigError("flodl_opt: this checkpoint has no denoise_moments='sync' state (saved "
                               "without the option?): build the optimizer as it was saved")
-        self.lr_sum, self.weight = [float(x) for x in state["lr_sum"]], float(state["weight"])
+        self.lr_sum, self.weight = [float(x) for x in state["lr_sum"]], [float(w) for w in state["weight"]]
         self.noise = [None if n is None else n.to(p.device, torch.float32).reshape(-1)
                       for n, p in zip(state["noise"], self.params)]
 

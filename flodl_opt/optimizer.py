@@ -430,11 +430,11 @@ class LocalSGDOptimizer(WrappedOptimizer):
         takes its noise excess out of its own second moment (flodl_opt/moments.py)."""
         if self._drift is None:
             return
-        deltas = self._consensus.deltas() if not (stats.skipped or stats.nonfinite) else None
-        if deltas is None:
+        deltas = self._consensus.deltas() if self._drift.applies(steps, stats) else None
+        if deltas is None:   # nothing to read (or no params at all): the window ends unread
             self._drift.reset_window()
             return
-        self._drift.apply(deltas, self._param_groups_flat, steps, stats)
+        self._drift.apply(deltas, self._param_groups_flat, steps, stats.movers)
 
     def _record(self, done: List[SyncStats]) -> None:
         """Counters after streaming syncs: global steps from fragment 0 (each step counted once)."""

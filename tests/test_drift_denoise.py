@@ -102,6 +102,25 @@ class _nullcontext:
         return False
 
 
+GROUP_B2 = (0.95, 0.8)   # first layer, second layer
+
+
+def _groups_run(rank, world):
+    """Two param groups with different b2, two explicit syncs of 3 steps: params and v before and after each."""
+    model = _model()
+    first, second = list(model[0].parameters()), list(model[2].parameters())
+    inner = torch.optim.AdamW([{"params": first, "betas": (B1, GROUP_B2[0])},
+                               {"params": second, "betas": (B1, GROUP_B2[1])}], lr=LR, eps=EPS, weight_decay=WD)
+    opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=10 ** 9, stall_warning_s=None, denoise_moments="sync")
+    out = []
+    for window in range(2):
+        _train(model, opt, rank, 3, start=3 * window)
+        pre = (_flat(model), _moments(inner, model)[1])
+        opt.sync()
+        out.append((pre, _moments(inner, model)[1]))
+    return out
+
+
 def _join_run(rank, world):
     """Uneven data: ranks run out after 9, 14 and 5 steps; join() ends them on one consensus."""
     model = _model()
@@ -119,6 +138,7 @@ def _defaults_run(rank, world, base_dir):
 def _all(rank, world, base_dir):
     return {"reference": _reference_run(rank, world), "resume": _resume_run(rank, world),
             "nonfinite": _nonfinite_run(rank, world), "join": _join_run(rank, world),
+            "groups": _groups_run(rank, world),
             "defaults": _defaults_run(rank, world, base_dir)}
 
 
@@ -141,16 +161,16 @@ def _a(k):
     return k + 2 * sum((k - j) * B1 ** j for j in range(1, k))
 
 
-def _corrected(d, v, t, k, lr, ranks, noise, weight):
+def _corrected(d, v, t, k, lr, ranks, noise, weight, b2=B2):
     """moments.py's sync-time correction of one rank's v from its drift d, in float64."""
-    denom = np.sqrt(v / (1 - B2 ** t)) + EPS
+    denom = np.sqrt(v / (1 - b2 ** t)) + EPS
     reading = (d * denom * (1 - B1 ** t) / lr) ** 2 / ((1 - 1 / ranks) * (1 - B1) / (1 + B1) * _a(k))
-    rho = B2 ** k
+    rho = b2 ** k
     noise = rho * noise + (1 - rho) * reading
     weight = 1 - (1 - weight) * rho
-    s2 = np.minimum(noise / weight, v / (1 - B2 ** t))
-    cut = v - (1 - B2 ** k) * (1 - 1 / ranks) * s2
-    return np.maximum(cut, v / ranks), noise, weight, (noise / weight < v / (1 - B2 ** t)) & (cut > v / ranks)
+    s2 = np.minimum(noise / weight, v / (1 - b2 ** t))
+    cut = v - (1 - b2 ** k) * (1 - 1 / ranks) * s2
+    return np.maximum(cut, v / ranks), noise, weight, (noise / weight < v / (1 - b2 ** t)) & (cut > v / ranks)
 
 
 def test_each_sync_takes_the_drifts_noise_excess_out_of_each_ranks_v_in_float64(ranks):
@@ -203,6 +223,21 @@ def test_a_nan_rank_gets_no_vote_and_the_others_read_their_drift_against_their_o
             assert not np.allclose(v, pre[i][2])
 
 
+def test_param_groups_with_their_own_b2_each_keep_their_own_ema_across_syncs(ranks):
+    res, _ = ranks
+    split = 7 * 5 + 7   # the first layer's weight and bias come first in the flat vectors
+    state = [[(0.0, 0.0), (0.0, 0.0)] for _ in res]   # per rank, per group: (noise, weight)
+    for w in range(2):
+        c = np.mean([r["groups"][w][0][0] for r in res], axis=0)
+        for i, r in enumerate(res):
+            (p, v), post = r["groups"][w]
+            for gi, sl in enumerate((slice(0, split), slice(split, None))):
+                want, noise, weight, _ = _corrected((p - c)[sl], v[sl], 3 * (w + 1), 3, LR, WORLD,
+                                                    *state[i][gi], b2=GROUP_B2[gi])
+                state[i][gi] = (noise, weight)
+                np.testing.assert_allclose(post[sl], want, rtol=1e-4, atol=1e-9)
+
+
 def test_join_with_uneven_data_ends_with_identical_params(ranks):
     res, _ = ranks
     for r in res[1:]:
@@ -244,7 +279,7 @@ def test_peer_killed_in_the_consensus_leaves_params_moments_and_the_noise_estima
     r = survivor_verdict(_peer_dies, str(tmp_path / "rank0.pt"), timeout=60, collective_timeout=15)
     assert r["msg"].startswith("flodl_opt: sync #1 failed on rank 0"), r["msg"]
     assert r["restored"] and r["unchanged"] and r["syncs"] == 0, {k: v for k, v in r.items() if k != "msg"}
-    assert all(n is None for n in r["drift"]["noise"]) and r["drift"]["weight"] == 0.0
+    assert all(n is None for n in r["drift"]["noise"]) and all(w == 0.0 for w in r["drift"]["weight"])
     assert r["drift"]["lr_sum"] == [pytest.approx(LR * sum(_lr_factor(t) for t in range(K)))]   # kept for a retry
 
 

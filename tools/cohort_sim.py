@@ -395,7 +395,8 @@ def simulate(args) -> Dict:
         b1, b2 = inner.param_groups[0]["betas"]
         k, ranks = max(1, g["since"]), g["ranks"]
         t = float(st["step"])
-        denom = (v[rows] / (1 - b2 ** t)).sqrt_().add_(inner.param_groups[0]["eps"])
+        vhat = v[rows] / (1 - b2 ** t)
+        denom = vhat.sqrt().add_(inner.param_groups[0]["eps"])
         sample, s = drift_noise(flat.detach()[rows] - c, denom, g["lr_sum"] / k, 1 - b1 ** t, k, ranks, b1)
         rho = b2 ** k   # the EMA forgets over syncs as v does over the steps between them
         if g["pvc_s2"] is None:
@@ -404,7 +405,6 @@ def simulate(args) -> Dict:
         g["pvc_w"] = 1 - (1 - g["pvc_w"]) * rho
         # the noise cannot exceed the second moment it is part of (E[v] = mu^2 + s^2): without this cap a
         # rank whose v fell below its peers' reads their longer steps as its own noise and runs away
-        vhat = v[rows] / (1 - b2 ** t)
         v[rows] = take_out_excess(v[rows], torch.minimum(g["pvc_s2"] / g["pvc_w"], vhat), k, ranks, b2)
         if g["pvcm"]:
             m[rows] = m[rows] - drift_m_share(k, b1) * s

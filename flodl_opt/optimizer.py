@@ -609,10 +609,11 @@ class LocalSGDOptimizer(WrappedOptimizer):
             sd[STATE_KEY]["drift"] = self._drift.state_dict()
         return sd
 
-    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
-        """Restore an exact resume point. ``strict=False`` allows a changed sync_every/gamma/warmup."""
-        sd = dict(state_dict)
-        ours = sd.pop(STATE_KEY, None)
+    def check_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:
+        """Raise ``ConfigError`` if ``load_state_dict(state_dict, strict)`` would refuse it; writes nothing.
+
+        Lets a caller (``load_checkpoint``) validate the optimizer's part before it touches the model."""
+        ours = state_dict.get(STATE_KEY) if isinstance(state_dict, dict) else None
         if ours is None:
             raise ConfigError("flodl_opt: this state dict has no 'flodl_opt' entry: it was not saved by "
                               "LocalSGDOptimizer.state_dict() (torch.distributed.checkpoint's "
@@ -631,6 +632,22 @@ class LocalSGDOptimizer(WrappedOptimizer):
             raise ConfigError(f"flodl_opt: the checkpoint's config differs from this optimizer's "
                               f"(saved, now): {diff}; build it with the saved values, or pass "
                               "strict=False to resume with the new sync_every/gamma/warmup_steps")
+        groups = state_dict.get("param_groups", [])
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.optimizer.param_groups]:
+            raise ConfigError("flodl_opt: the checkpoint's inner optimizer has other param groups than "
+                              "this one (their number or sizes differ); build the same optimizer")
+        self.outer.check_state_dict(ours["outer"])
+        if self._drift is not None and not ours.get("drift"):
+            raise ConfigError("flodl_opt: this checkpoint has no denoise_moments='sync' state (saved "
+                              "without the option?): build the optimizer as it was saved")
+
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
+        """Restore an exact resume point. ``strict=False`` allows a changed sync_every/gamma/warmup.
+
+        Everything is checked first (``check_state_dict``): a refused state dict changes nothing."""
+        self.check_state_dict(state_dict, strict)
+        sd = dict(state_dict)
+        ours = sd.pop(STATE_KEY)
         self.optimizer.load_state_dict(sd)
         c = ours["counters"]
         self._local_steps, self._steps_since_sync = c["local_steps"], c["steps_since_sync"]

@@ -88,7 +88,8 @@ class OuterOptimizer:
                 "anchor": [a.detach().clone() for a in self.anchor],
                 "momentum": [m.detach().clone() for m in self.momentum]}
 
-    def load_state_dict(self, sd: Dict) -> None:
+    def check_state_dict(self, sd: Dict) -> None:
+        """Raise ``ConfigError`` if ``load_state_dict(sd)`` would refuse it; writes nothing."""
         if sd.get("name") != self.name:
             raise ConfigError(f"flodl_opt: checkpoint holds outer optimizer {sd.get('name')!r} but this "
                               f"optimizer uses {self.name!r}; build it with outer={sd.get('name')!r}")
@@ -97,6 +98,11 @@ class OuterOptimizer:
             if len(src_list) != len(dst_list) or any(s.shape != d.shape for s, d in zip(src_list, dst_list)):
                 raise ConfigError(f"flodl_opt: outer {key} in the checkpoint does not match this model's "
                                   "flat buffers (a different model or dtype?)")
+
+    def load_state_dict(self, sd: Dict) -> None:
+        self.check_state_dict(sd)
+        for dst_list, key in ((self.anchor, "anchor"), (self.momentum, "momentum")):
+            src_list = sd.get(key, [])
             for d, s in zip(dst_list, src_list):
                 d.copy_(s)
 

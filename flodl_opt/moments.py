@@ -89,10 +89,11 @@ import torch.distributed as dist
 
 from .consensus import SyncStats, gamma_mass
 from .errors import ConfigError, SyncError
-from .wire import DEFAULT_WIRE_BLOCK, _BF16, narrow_sum, narrow_sum_bytes
+from .codecs import DEFAULT_WIRE_BLOCK, make_codec, moment_wires
+from .wire import narrow_sum, narrow_sum_bytes
 
 _SCALARS = 3  # weight, weight^2, weight * window
-MOMENT_WIRES = ("fp32", "bf16")
+MOMENT_WIRES = moment_wires()  # the codecs that keep each element's exponent (flodl_opt/codecs.py)
 
 
 def denoised_moments(m: torch.Tensor, m2: torch.Tensor, v: torch.Tensor, w2: float, window: float,
@@ -126,7 +127,7 @@ class MomentSync:
         self.every, self.wire, self.world = int(every), wire, int(world)
         # bf16: the moments ride a reduce-scatter + all-gather of bf16 (wire.py's), summed in float32 at
         # each owner; the three scalars a float32 SUM of their own, so the weights stay exact.
-        self._codec = _BF16(DEFAULT_WIRE_BLOCK) if wire == "bf16" else None
+        self._codec = make_codec(wire, DEFAULT_WIRE_BLOCK) if wire != "fp32" else None
         self.window = 0   # this rank's steps in the syncs since the last share (those done, not this one)
         self.param_flats = list(param_flats)  # a few buffers: the finite check reads one flag each
         betas = {}

@@ -326,6 +326,10 @@ class StreamingSync:
                [self.buffer_groups[s.index].flat[s.start:s.end] for s in f.buffers]
 
     # -------------------------------------------------------------- the interface
+    def due(self, t: int) -> bool:
+        """Whether tick ``t`` issues or merges a fragment (the optimizer checks the model first)."""
+        return self.schedule.issue_at(t) is not None or (self.pending is not None and t >= self.pending.merge_at)
+
     def on_step(self, worked: bool, active: bool) -> List[SyncStats]:
         """One tick of the schedule after an inner step (``worked``) or a joined rank's idle tick."""
         self.clock += 1

@@ -28,15 +28,7 @@ dtype (``N-1`` roundings; measured on 3 ranks: 1.5x the error of one rounding), 
 sums can overflow; NCCL's bf16 PREMUL_SUM is unreliable (DESIGN.md). Summing in float32 at the
 owner costs the second rounding of step 4 only, whatever ``N`` is.
 
-Formats (``c`` elements per section):
-
-* ``bf16``: round to nearest; ``|err| <= 2**-8 |x|`` per encode.
-* ``fp16``: one power-of-two scale per section (sent along, 4 bytes) maps the section's absmax
-  just under ``2**15``: no overflow whatever the magnitudes, and small differences are not lost to
-  subnormals. Scaling by a power of two is exact, so ``|err| <= 2**-11 |x| + 2**-25 * scale``.
-* ``int8``: blocks of ``wire_block`` elements, each with a float32 scale ``absmax/127``;
-  ``q = round(x * (1/scale))``; ``|err| <= scale/2`` per element per encode (plus float32
-  rounding); a block with ``absmax < 1.5e-36`` (float32's normal range times 127) is sent as zeros.
+The formats and their error bounds are in flodl_opt/codecs.py (the registry ``wire=`` reads).
 
 Every element is encoded twice (step 1 by its rank, step 4 by its owner), so the consensus error
 per element is at most ``sum_i err(x_i) + err(S)`` with ``S`` the float32 sum.
@@ -73,16 +65,13 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError
+from .codecs import (CODECS, DEFAULT_WIRE_BLOCK, WIRES, Codec, _ALIGN, _BF16_U, _FP16_U,  # noqa: F401
+                     make_codec)
 from .flat import FlatGroup
 
 if TYPE_CHECKING:  # consensus imports nothing from here: no cycle at run time
     from .consensus import Consensus, SyncStats
 
-WIRES = ("fp32", "bf16", "fp16", "int8")
-DEFAULT_WIRE_BLOCK = 256
-_BF16_U = 2.0 ** -8   # unit roundoff of bfloat16 (8 significant bits)
-_FP16_U = 2.0 ** -11  # unit roundoff of float16 (11 significant bits)
-_ALIGN = 64           # section length multiple for bf16/fp16 (even, so fp16's scale sits aligned)
 
 
 def wire_config(wire: str = "fp32", wire_block: int = DEFAULT_WIRE_BLOCK,
@@ -109,110 +98,7 @@ def make_wire(wire: str, wire_block: int, error_feedback: bool) -> Optional["Com
             or wire_block % 4 or wire_block > 1 << 20:
         raise ConfigError(f"wire_block must be an int in [16, 2**20] and a multiple of 4 (elements "
                           f"per int8 scale), got {wire_block!r}")
-    codec = {"bf16": _BF16, "fp16": _FP16, "int8": _Int8}[wire](wire_block)
-    return CompressedWire(codec, error_feedback)
-
-
-# ------------------------------------------------------------------ codecs
-class _Codec:
-    """Encodes rows of ``c`` float32 elements into rows of ``section_bytes(c)`` bytes and back."""
-
-    name = "?"
-
-    def __init__(self, block: int):
-        self.block = block
-
-    def section_len(self, numel: int, world: int) -> int:
-        """Elements per owner section: ``world`` sections cover ``numel`` (zero padded)."""
-        m = self.multiple()
-        return max(m, -(-numel // (world * m)) * m)
-
-    def multiple(self) -> int:
-        return _ALIGN
-
-    def section_bytes(self, c: int) -> int:
-        raise NotImplementedError
-
-    def encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """``x``: (k, c) float32; ``out``: (k, section_bytes) uint8."""
-        raise NotImplementedError
-
-    def decode(self, inp: torch.Tensor, out: torch.Tensor) -> None:
-        """``inp``: (k, section_bytes) uint8; ``out``: (k, c) float32."""
-        raise NotImplementedError
-
-
-class _BF16(_Codec):
-    name = "bf16"
-
-    def section_bytes(self, c: int) -> int:
-        return 2 * c
-
-    def encode(self, x, out) -> None:
-        out.view(torch.bfloat16).copy_(x)  # round to nearest even
-
-    def decode(self, inp, out) -> None:
-        out.copy_(inp.view(torch.bfloat16))
-
-
-def _absmax(xb: torch.Tensor) -> torch.Tensor:
-    """max |x| over the last dim. amax and amin apart: on CPU aminmax and abs().amax() over
-    short rows run 5-20x slower than these two vectorized reductions."""
-    return torch.maximum(xb.amax(-1), xb.amin(-1).neg_())
-
-
-class _FP16(_Codec):
-    """float16 data, then one float32 power-of-two scale per row."""
-
-    name = "fp16"
-
-    def section_bytes(self, c: int) -> int:
-        return 2 * c + 4
-
-    def encode(self, x, out) -> None:
-        k, c = x.shape
-        absmax = _absmax(_absmax(x.view(k, c // _ALIGN, _ALIGN)))
-        # absmax < 2**e exactly (frexp mantissa in [0.5, 1)), so |x| / 2**(e-15) < 2**15 < 65504.
-        _, e = torch.frexp(absmax)
-        e = torch.where(absmax > 0, e, torch.full_like(e, 15))  # all zeros: scale 1
-        one = torch.ones_like(absmax)
-        out[:, 2 * c:].view(torch.float32).copy_(torch.ldexp(one, e - 15).unsqueeze(1))
-        # A power of two and its inverse are exact: the only rounding is the one to float16.
-        torch.mul(x, torch.ldexp(one, 15 - e).unsqueeze(1), out=out[:, :2 * c].view(torch.float16))
-
-    def decode(self, inp, out) -> None:
-        c = out.shape[1]
-        out.copy_(inp[:, :2 * c].view(torch.float16)).mul_(inp[:, 2 * c:].view(torch.float32))
-
-
-class _Int8(_Codec):
-    """int8 data, then one float32 scale (absmax / 127) per block of ``block`` elements."""
-
-    name = "int8"
-
-    def multiple(self) -> int:
-        return self.block
-
-    def section_bytes(self, c: int) -> int:
-        return c + 4 * (c // self.block)
-
-    def encode(self, x, out) -> None:
-        k, c = x.shape
-        nb, b = c // self.block, self.block
-        xb = x.view(k, nb, b)
-        scale = _absmax(xb).div_(127.0)
-        out[:, c:].view(torch.float32).copy_(scale)
-        # Multiply by the reciprocal (a broadcast division is several times slower on CPU). Blocks
-        # whose scale is below float32's normal range (absmax < 1.5e-36) or zero are sent as zeros.
-        inv = torch.where(scale >= torch.finfo(torch.float32).tiny, 1.0 / scale, torch.zeros_like(scale))
-        q = torch.mul(xb, inv.unsqueeze(2)).round_().clamp_(-127, 127)
-        out[:, :c].view(torch.int8).view(k, nb, b).copy_(q)
-
-    def decode(self, inp, out) -> None:
-        k, c = out.shape
-        nb, b = c // self.block, self.block
-        ob = out.view(k, nb, b)
-        ob.copy_(inp[:, :c].view(torch.int8).view(k, nb, b)).mul_(inp[:, c:].view(torch.float32).unsqueeze(2))
+    return CompressedWire(make_codec(wire, wire_block), error_feedback)
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
@@ -220,7 +106,7 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     fn(out, inp, group=group)
 
 
-def _owner_sum(codec: _Codec, own: torch.Tensor, recv: torch.Tensor, rank: int, acc: torch.Tensor,
+def _owner_sum(codec: Codec, own: torch.Tensor, recv: torch.Tensor, rank: int, acc: torch.Tensor,
                part: torch.Tensor) -> None:
     """Step 3: the owner's sum into ``acc``, in float32, in rank order (its own section from its own
     payload, the peers' from ``recv``, one row per peer)."""
@@ -230,12 +116,12 @@ def _owner_sum(codec: _Codec, own: torch.Tensor, recv: torch.Tensor, rank: int, 
         acc.add_(part)
 
 
-def narrow_sum_bytes(codec: _Codec, numel: int, world: int) -> int:
+def narrow_sum_bytes(codec: Codec, numel: int, world: int) -> int:
     """Bytes ``narrow_sum`` hands to its two collectives per rank: one payload."""
     return world * codec.section_bytes(codec.section_len(numel, world))
 
 
-def narrow_sum(x: torch.Tensor, codec: _Codec, world: int, rank: int,
+def narrow_sum(x: torch.Tensor, codec: Codec, world: int, rank: int,
                group: Optional[dist.ProcessGroup]) -> None:
     """Sum the float32 vector ``x`` over the ranks through ``codec``, in place: steps 1-5 above on
     ``x`` itself (no anchor, no residual). Every rank decodes the same gathered bytes, so ``x`` ends
@@ -261,17 +147,18 @@ def narrow_sum(x: torch.Tensor, codec: _Codec, world: int, rank: int,
 
 # ------------------------------------------------------------------ per flat group
 class _GroupState:
-    """The buffers of one flat param group, sized for ``world`` sections of ``c`` elements."""
+    """The buffers of one float32 vector (a flat param group, or one fragment's slice of it), sized for
+    ``world`` sections of ``c`` elements, with its anchor and residuals."""
 
-    def __init__(self, g: FlatGroup, codec: _Codec, world: int, rank: int,
+    def __init__(self, flat: torch.Tensor, codec: Codec, world: int, rank: int,
                  anchor: Optional[torch.Tensor], error_feedback: bool):
-        self.g, self.world, self.rank = g, world, rank
-        self.c = codec.section_len(g.numel, world)
+        self.flat, self.numel, self.world, self.rank = flat, flat.numel(), world, rank
+        self.c = codec.section_len(self.numel, world)
         self.sec = codec.section_bytes(self.c)
-        dev = g.device
+        dev = flat.device
         # The anchor: the outer optimizer's (shared, no copy) or our own copy of the last consensus.
         self.own_anchor = anchor is None
-        self.anchor = g.flat.detach().clone() if anchor is None else anchor
+        self.anchor = flat.detach().clone() if anchor is None else anchor
         self.x = torch.zeros(world * self.c, dtype=torch.float32, device=dev)       # f_i (W_i - A + e_i)
         # This rank's encoded sections: the peers' ones (sent) and its own (kept) apart, so the
         # all_to_all input needs no gather copy.
@@ -284,7 +171,7 @@ class _GroupState:
         self.part = torch.empty(1, self.c, dtype=torch.float32, device=dev)   # one decoded section
         self.residual = self.owner_residual = None
         if error_feedback:
-            self.residual = torch.zeros(g.numel, dtype=torch.float32, device=dev)
+            self.residual = torch.zeros(self.numel, dtype=torch.float32, device=dev)
             self.owner_residual = torch.zeros(self.c, dtype=torch.float32, device=dev)
 
     @property
@@ -298,6 +185,40 @@ class _GroupState:
         return [(a, b) for a, b in out if a.shape[0]]
 
 
+def encode_difference(st: _GroupState, w: torch.Tensor, f: float, codec: Codec) -> None:
+    """Step 1: ``x = f (w - A + e)`` in ``st.x``, encoded into ``st.send``/``st.own`` (f == 0: exact zeros)."""
+    x, n = st.x, st.numel
+    if f == 0.0:
+        x.zero_()  # no vote (idle or non-finite): exact zeros, never 0 * NaN
+    else:
+        torch.sub(w, st.anchor, out=x[:n])
+        if st.residual is not None:
+            x[:n].add_(st.residual)
+        x[:n].mul_(f)
+    for rows, enc in st.parts():
+        codec.encode(rows, enc)
+
+
+def encode_residual(st: _GroupState, f: float, codec: Codec, out: torch.Tensor) -> None:
+    """This rank's encode residual, back in unscaled units: ``(x - deQ(Q(x))) / f`` (``st.x`` is spent)."""
+    for rows, enc in st.parts():
+        sent = torch.empty_like(rows)
+        codec.decode(enc, sent)
+        rows.sub_(sent)  # x now holds x - deQ(Q(x))
+    torch.div(st.x[:st.numel], f, out=out)
+
+
+def decode_consensus(st: _GroupState, codec: Codec, out: torch.Tensor) -> None:
+    """Step 5: ``out <- A + deQ(gathered)``, section by section."""
+    n, c, part = st.numel, st.c, st.part
+    for j in range(st.world):
+        lo, hi = j * c, min(n, (j + 1) * c)
+        if lo >= n:
+            break
+        codec.decode(st.gathered[j:j + 1], part)
+        torch.add(st.anchor[lo:hi], part.view(-1)[:hi - lo], out=out[lo:hi])
+
+
 class CompressedWire:
     """The compressed param reduce of one optimizer (see the module docstring for the maths).
 
@@ -307,7 +228,7 @@ class CompressedWire:
     after every collective succeeded) and the divergence readout.
     """
 
-    def __init__(self, codec: _Codec, error_feedback: bool):
+    def __init__(self, codec: Codec, error_feedback: bool):
         self.codec, self.error_feedback = codec, error_feedback
         self.name = codec.name
         self._groups: List[_GroupState] = []
@@ -331,7 +252,7 @@ class CompressedWire:
         self.world, self.rank, self.group = world, rank, group
         if world <= 1:
             return
-        self._groups = [_GroupState(g, self.codec, world, rank, None if anchors is None else anchors[i],
+        self._groups = [_GroupState(g.flat, self.codec, world, rank, None if anchors is None else anchors[i],
                                     self.error_feedback) for i, g in enumerate(groups)]
 
     # ------------------------------------------------------------------ the sync
@@ -360,17 +281,8 @@ class CompressedWire:
 
         Returns the owner's new re-encode residual (committed only once everything succeeded).
         """
-        g, codec, n, world = st.g, self.codec, st.g.numel, st.world
-        x = st.x
-        if f == 0.0:
-            x.zero_()  # no vote (idle or non-finite): exact zeros, never 0 * NaN
-        else:
-            torch.sub(g.flat, st.anchor, out=x[:n])
-            if st.residual is not None:
-                x[:n].add_(st.residual)
-            x[:n].mul_(f)
-        for rows, enc in st.parts():
-            codec.encode(rows, enc)
+        codec, world = self.codec, st.world
+        encode_difference(st, st.flat, f, codec)
         dist.all_to_all_single(st.recv, st.send.view(-1), output_split_sizes=st.splits,
                                input_split_sizes=st.splits, group=self.group)
         acc, part = st.acc, st.part
@@ -389,25 +301,13 @@ class CompressedWire:
 
     def _commit(self, st: _GroupState, f: float, owner_res: Optional[torch.Tensor]) -> None:
         """Step 5, then the anchor and residuals: every collective of the sync has succeeded."""
-        g, n, world, c = st.g, st.g.numel, st.world, st.c
         if st.residual is not None and f != 0.0:
-            # This rank's encode residual, back in unscaled units: (x - deQ(Q(x))) / f.
-            for rows, enc in st.parts():
-                sent = torch.empty_like(rows)
-                self.codec.decode(enc, sent)
-                rows.sub_(sent)  # x is spent: it now holds x - deQ(Q(x))
-            torch.div(st.x[:n], f, out=st.residual)
+            encode_residual(st, f, self.codec, st.residual)
         if owner_res is not None:
             st.owner_residual.copy_(owner_res)
-        part = st.part
-        for j in range(world):  # W <- A + deQ(gathered), section by section
-            lo, hi = j * c, min(n, (j + 1) * c)
-            if lo >= n:
-                break
-            self.codec.decode(st.gathered[j:j + 1], part)
-            torch.add(st.anchor[lo:hi], part.view(-1)[:hi - lo], out=g.flat[lo:hi])
+        decode_consensus(st, self.codec, st.flat)
         if st.own_anchor:
-            st.anchor.copy_(g.flat)  # the next sync's anchor is this consensus
+            st.anchor.copy_(st.flat)  # the next sync's anchor is this consensus
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:

@@ -445,7 +445,7 @@ def report(out_dir: str, fig_dir: str = None) -> str:
             summary[tag + ":auto"] = verdict
         png = plot(tag, cells_[tag], os.path.join(fig_dir or out_dir, f"study_{tag}.png"))
         if png:
-            parts.append(f"\n![{tag}]({os.path.relpath(png, ROOT)})")
+            parts.append(f"\n![{tag}]({os.path.relpath(png, out_dir)})")   # relative to study.md
         parts.append("")
     text = "\n".join(parts)
     with open(os.path.join(out_dir, "study.md"), "w") as fh:

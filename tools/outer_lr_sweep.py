@@ -8,8 +8,8 @@ with its group's all-reduce, and labels it by H and the outer step it actually r
 default changed carry the same method name with another lr). It prints one table per group, writes
 the rows as JSON and, with matplotlib, plots the gap against the outer lr, one line per H and momentum.
 
-    python tools/outer_lr_sweep.py docs/study/wide16k_r4grid/*.json docs/study/wide16k_tuned_h/*.json \\
-        --json docs/study/wide16k_tuned_h/sweep.json --png docs/study/wide16k_tuned_h/sweep.png
+    python tools/outer_lr_sweep.py docs/lab/study/wide16k_r4grid/*.json docs/lab/study/wide16k_tuned_h/*.json \\
+        --json docs/lab/study/wide16k_tuned_h/sweep.json --png docs/lab/study/wide16k_tuned_h/sweep.png
 """
 from __future__ import annotations
 

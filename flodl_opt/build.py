@@ -24,6 +24,7 @@ from .hooks import AdaptiveHook, DriftHook, Hook, MomentsHook, OuterHook, StateH
 from .moments import DriftDenoise, LocalDenoise, MomentSync
 from .stall import StallWatchdog
 from .streaming import StreamingSync
+from .codecs import make_codec
 from .wire import CompressedWire, make_wire
 from .wrapping import check_same_on_every_rank
 
@@ -60,6 +61,8 @@ def build_sync(opt: Any, cfg: SyncConfig, optimizer: torch.optim.Optimizer, mode
     wire = make_wire(cfg.wire, cfg.wire_block, cfg.error_feedback)  # None: the float32 reduce
     if wire is not None:
         wire.check_groups(param_groups)
+        if cfg.streaming:  # fragments carry their own compressed reduce (flodl_opt/stream_wire.py)
+            wire = None
     buffer_groups = pack(float_buffers, "buffer")
     if inner_model is not None:  # packed tensors share one storage: state_dict() hands out copies
         own_storage_state_dicts(inner_model)
@@ -88,7 +91,9 @@ def build_sync(opt: Any, cfg: SyncConfig, optimizer: torch.optim.Optimizer, mode
             cfg.overlap_steps, group, world, rank, launch.backend(), gamma=cfg.gamma,
             nonfinite_guard=cfg.nonfinite_guard, gloo_chunk_bytes=cfg.gloo_chunk_bytes,
             inner_lr=lambda: optimizer.param_groups[0]["lr"],
-            on_nonfinite=opt._reset_nonfinite_inner_state, waiting=opt._waiting, auto=cfg.adaptive)
+            on_nonfinite=opt._reset_nonfinite_inner_state, waiting=opt._waiting, auto=cfg.adaptive,
+            codec=make_codec(cfg.wire, cfg.wire_block) if cfg.compressed else None,
+            error_feedback=cfg.error_feedback)
         stream.setup_outer()
     hooks: List[Hook] = []
     if moments is not None:

@@ -276,9 +276,6 @@ RULES: List[Rule] = [
                    "model every step): use warmup_steps=0, or run the warm-up with a blocking optimizer "
                    "and load its state"),
     Rule("the fragment schedule", lambda c, _: c.streaming and _schedule_broken(c), lambda c: ""),
-    Rule("compressed streaming", lambda c, _: c.compressed and c.streaming,
-         lambda c: f"flodl_opt: wire={c.wire!r} is not supported with fragments/overlap_steps yet "
-                   "(streaming syncs send float32): use wire='fp32', or fragments=1 and overlap_steps=0"),
     Rule("moments at blocking syncs", lambda c, _: c.sync_moments and c.streaming,
          lambda c: "sync_moments=True is not supported with fragments/overlap_steps (the moments are "
                    "shared at blocking syncs only): drop one of them"),

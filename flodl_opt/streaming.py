@@ -52,7 +52,9 @@ from .adaptive import AdaptiveSync, share_drift
 from .consensus import SyncStats, gamma_mass
 from .errors import ConfigError, NonFiniteError, SyncError
 from .flat import FlatGroup
+from .codecs import Codec
 from .outer import DiLoCo, OuterAvg, OuterOptimizer, SlowMo
+from .stream_wire import FragmentWire
 
 _BLOCK = 1 << 18  # elements per block of the fused local passes (1 MiB of float32 stays in cache)
 
@@ -226,6 +228,8 @@ class _Flight:
     done: bool = False        # collectives finished (waited, or restored from a checkpoint)
     active: bool = True       # this rank had not joined (uneven data) when it issued
     collectives: int = 0
+    gather_at: int = 0        # compressed wire: the tick its second phase (all_gather) starts
+    phase: int = 1            # compressed wire: 1 = the all_to_all, 2 = the all_gather issued
 
 
 class _Proxy:
@@ -277,8 +281,13 @@ class StreamingSync:
                  inner_lr: Callable[[], float] = lambda: 0.0,
                  on_nonfinite: Optional[Callable[[int], None]] = None,
                  waiting: Optional[Callable[[int], ContextManager]] = None,
-                 auto: Optional[AdaptiveSync] = None):
+                 auto: Optional[AdaptiveSync] = None, codec: Optional[Codec] = None,
+                 error_feedback: bool = False):
         check_outer(outer)
+        # a world of one sends nothing: the float32 path (the params already are the consensus)
+        self.codec = codec if world_size > 1 else None
+        self.error_feedback = error_feedback
+        self.wire: Optional[FragmentWire] = None  # built with the outer state (setup_outer)
         # auto: the period changes at round boundaries, decided from the round's fragment readouts
         self.auto = auto
         self.schedule = Schedule(sync_every, fragments, overlap_steps) if auto is None else \
@@ -319,6 +328,11 @@ class StreamingSync:
             o.momentum = [self.outer.momentum[s.index][s.start:s.end] for s in f.params] \
                 if self.outer.momentum else []
             self._outers.append(o)
+        if self.codec is not None:  # anchors: the outer optimizer's slices, or own copies (plain averaging)
+            lives = [self._live(f)[:len(f.params)] for f in self.fragments]
+            anchors = [o.anchor if self.outer.needs_anchor else None for o in self._outers]
+            self.wire = FragmentWire(self.codec, self.error_feedback, lives, anchors, self.world_size,
+                                     self.rank, self.group)
 
     # -------------------------------------------------------------- views
     def _live(self, f: Fragment) -> List[torch.Tensor]:
@@ -338,6 +352,10 @@ class StreamingSync:
             if self.pending is not None:
                 self.pending.local_steps += 1
         out: List[SyncStats] = []
+        f = self.pending
+        if f is not None and self.wire is not None and f.phase == 1 and self.clock >= f.gather_at \
+                and self.clock < f.merge_at:
+            self._gather(f)
         if self.pending is not None and self.clock >= self.pending.merge_at:
             out += self._merge_checked()
         p = self.schedule.issue_at(self.clock)
@@ -411,15 +429,18 @@ class StreamingSync:
         with torch.no_grad():
             # One pass, block by block: snapshot, scaled send copy and (params) the snapshot's norm.
             squares = []
+            wired = self.wire is not None
             for k, (live, s, b) in enumerate(zip(lives, sent, buf)):
                 factor = mass if k < n_params else mover  # buffers: equal weight among movers
                 blk = _block(live)
                 for i in range(0, live.numel(), blk):
                     j = min(live.numel(), i + blk)
                     s[i:j].copy_(live[i:j])
-                    torch.mul(s[i:j], factor, out=b[i:j])
                     if k < n_params:
                         squares.append(_sq(s[i:j]))
+                        if wired:
+                            continue  # the params travel as encoded differences (stream_wire.py)
+                    torch.mul(s[i:j], factor, out=b[i:j])
             sq = float(torch.stack([q.double() for q in squares]).sum()) if squares else 0.0
             nonfinite = self.nonfinite_guard and not math.isfinite(sq)
             if nonfinite:  # no vote: exact zeros (0 * NaN is NaN)
@@ -430,14 +451,17 @@ class StreamingSync:
             count = torch.tensor([mass, mover, float(active), float(nonfinite), float(steps),
                                   float(number), float(number) ** 2], dtype=torch.float64,
                                  device=self.comm_device)
-        flight = _Flight(p, number, self.clock, self.clock + self.schedule.tau, steps, nonfinite, sq,
-                         count, [], 0.0, active=active)
+        tau = self.schedule.tau
+        flight = _Flight(p, number, self.clock, self.clock + tau, steps, nonfinite, sq,
+                         count, [], 0.0, active=active, gather_at=self.clock + (1 if tau >= 2 else tau))
         self.pending = flight
         if self.distributed:
             try:
                 flight.works.append(dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.group,
                                                     async_op=True))
-                for b in buf:
+                if self.wire is not None:
+                    self.wire.issue(p, sent[:n_params], mass, flight.works)
+                for b in (buf[n_params:] if self.wire is not None else buf):
                     step = b.numel() if self.backend == "nccl" else \
                         max(1, self.gloo_chunk_bytes // b.element_size())
                     for i in range(0, b.numel(), step):
@@ -474,10 +498,26 @@ class StreamingSync:
             out += self.sync_all(active=f_active)
         return out
 
+    def _gather(self, f: _Flight) -> None:
+        """Compressed wire, phase 2: the all_to_all and the count waited for, start the all_gather."""
+        try:
+            if not f.done:
+                self._wait(f)
+            f.phase = 2
+            mass = float(f.count[0])   # the cohort's total, the same on every rank
+            if mass > 0.0:  # else nothing is gathered, on every rank alike
+                f.works, f.done = [], False
+                self.wire.gather(f.fragment, mass, f.works)
+                f.collectives += len(f.works)
+        except Exception as exc:
+            self._fail(f, exc)
+
     def _merge(self) -> SyncStats:
         f = self.pending
         assert f is not None
         t0 = time.perf_counter()
+        if self.wire is not None and f.phase == 1:
+            self._gather(f)
         if not f.done:
             try:
                 self._wait(f)
@@ -497,7 +537,7 @@ class StreamingSync:
                           movers=int(movers), active=int(active), nonfinite=f.nonfinite,
                           nonfinite_ranks=int(nonfinite_ranks),
                           collectives=f.collectives, fragment=f.fragment)
-        stats.bytes = frag.bytes + f.count.numel() * 8 if self.distributed else 0
+        stats.bytes = self._bytes(frag, f.fragment) + f.count.numel() * 8 if self.distributed else 0
         self.syncs += 1
         if mass <= 0.0:
             if nonfinite_ranks > 0:
@@ -513,17 +553,25 @@ class StreamingSync:
         lives = self._live(frag)
         outer_step = bool(self._outers) and not isinstance(self.outer, OuterAvg)
         keep_steps = f.local_steps > 0 and not f.nonfinite  # else: exactly the blocking result
+        wired = self.wire is not None
         with torch.no_grad():
+            if wired:  # C = A + deQ(gathered) in the params' buffers: already normalized
+                self.wire.decode(f.fragment, buf[:n_params])
             post: List[torch.Tensor] = []
             diff: List[torch.Tensor] = []
             if outer_step:  # C, its readout; then G = outer(C) over the whole fragment; then W
-                self._consensus_pass(buf, sent, mass, movers, n_params, post, diff)
+                self._consensus_pass(buf, sent, mass, movers, n_params, post, diff, normalized=wired)
+                if wired:
+                    self.wire.commit(f.fragment, buf[:n_params])
                 self._outers[f.fragment].step([_Proxy(b) for b in buf[:n_params]], None,
                                               float(self.inner_lr()))
                 stats.outer = self.outer.name
                 self._apply_pass(lives, sent, buf, keep_steps)
             else:           # G = C: one pass, block by block, while each block is in cache
-                self._consensus_pass(buf, sent, mass, movers, n_params, post, diff, lives, keep_steps)
+                self._consensus_pass(buf, sent, mass, movers, n_params, post, diff, lives, keep_steps,
+                                     normalized=wired)
+                if wired:
+                    self.wire.commit(f.fragment, buf[:n_params])
         if self.readout and post:
             post_sq = float(torch.stack([q.double() for q in post]).sum())
             diff_sq = float(torch.stack([q.double() for q in diff]).sum())
@@ -539,16 +587,19 @@ class StreamingSync:
 
     def _consensus_pass(self, buf: List[torch.Tensor], sent: List[torch.Tensor], mass: float, movers: float,
                         n_params: int, post: List[torch.Tensor], diff: List[torch.Tensor],
-                        lives: Optional[List[torch.Tensor]] = None, keep_steps: bool = False) -> None:
+                        lives: Optional[List[torch.Tensor]] = None, keep_steps: bool = False,
+                        normalized: bool = False) -> None:
         """``C = sum_i m_i S_i / sum_j m_j`` in ``buf``, with the readout's squares of ``C`` and
-        ``C - S``. Given ``lives`` (no outer step: ``G = C``) it also merges, in the same block."""
+        ``C - S``. Given ``lives`` (no outer step: ``G = C``) it also merges, in the same block.
+        ``normalized``: the params' buffers already hold ``C`` (the compressed wire decoded it)."""
         for k, (s, b) in enumerate(zip(sent, buf)):
             param = k < n_params
             blk = _block(b)
             for i in range(0, b.numel(), blk):
                 j = min(b.numel(), i + blk)
                 bb, ss = b[i:j], s[i:j]
-                bb.div_(mass if param else movers)
+                if not (param and normalized):
+                    bb.div_(mass if param else movers)
                 if self.readout and param:
                     post.append(_sq(bb))
                 if lives is None:
@@ -572,6 +623,13 @@ class StreamingSync:
                 torch.sub(b[i:j], ss, out=ss)
                 _merge_block(live[i:j], ss, b[i:j], keep_steps)
 
+    def _bytes(self, frag: Fragment, p: int) -> int:
+        """Bytes one sync of fragment ``p`` reduces: float32, or the encoded params and float32 buffers."""
+        if self.wire is None:
+            return frag.bytes
+        return self.wire.bytes(p) + sum(s.numel * self.buffer_groups[s.index].reduce_dtype.itemsize
+                                        for s in frag.buffers)
+
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> Dict[str, Any]:
         """Counters and, if a fragment is in flight, its finished result (call ``drain()`` first)."""
@@ -592,6 +650,11 @@ class StreamingSync:
                 "sent": [t.detach().clone() for t in self._sent[f.fragment]],
                 "buf": [t.detach().clone() for t in self._buf[f.fragment]],
             }
+            if self.wire is not None:  # the finished phase's bytes and pending residuals
+                sd["pending"].update(phase=f.phase, gather_at=f.gather_at,
+                                     wire=self.wire.flight_state(f.fragment))
+        if self.wire is not None:
+            sd["wire"] = self.wire.state_dict()
         return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -608,6 +671,11 @@ class StreamingSync:
             self.schedule.origin = int(rd["origin"])
             self._round = [(float(a), float(b), int(c)) for a, b, c in rd["readouts"]]
         self.pending = None
+        if self.wire is not None:
+            if sd.get("wire") is None:
+                raise ConfigError("flodl_opt: the checkpoint's streaming state holds no compressed-wire "
+                                  "state; resume with the wire settings it was saved with")
+            self.wire.load_state_dict(sd["wire"])
         p = sd.get("pending")
         if p is None:
             return
@@ -621,6 +689,9 @@ class StreamingSync:
         self.pending = _Flight(k, p["sync"], p["issued_at"], p["merge_at"], p["steps"], p["nonfinite"],
                                p["pre_sq"], p["count"].to(self.comm_device), [], 0.0,
                                local_steps=p["local_steps"], done=True)
+        if self.wire is not None:
+            self.pending.phase, self.pending.gather_at = int(p["phase"]), int(p["gather_at"])
+            self.wire.load_flight_state(k, p["wire"])
 
 
 def _merge_block(live: torch.Tensor, g_minus_s: torch.Tensor, g: torch.Tensor, keep_steps: bool) -> None:

@@ -101,9 +101,9 @@ def make_wire(wire: str, wire_block: int, error_feedback: bool) -> Optional["Com
     return CompressedWire(make_codec(wire, wire_block), error_feedback)
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False) -> Any:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 def _owner_sum(codec: Codec, own: torch.Tensor, recv: torch.Tensor, rank: int, acc: torch.Tensor,

@@ -365,8 +365,6 @@ def test_peer_killed_with_a_fragment_in_flight_survivor_keeps_local_weights_and_
     ({"fragments": 2, "outer": "easgd"}, "'easgd' is not supported"),
     ({"overlap_steps": 1, "outer": flo.DiLoCo(reset_inner=True)}, "reset_inner=False"),
     ({"fragments": 16, "sync_every": 16}, "more than the 8 synced param tensors"),
-    ({"fragments": 2, "wire": "int8"}, "wire='int8' is not supported with fragments/overlap_steps"),
-    ({"overlap_steps": 1, "wire": "bf16"}, "wire='bf16' is not supported with fragments/overlap_steps"),
     ({"fragments": 4, "overlap_steps": 2, "sync_every": flo.AdaptiveSync(max_every=8)},
      "at least 12 (overlap_steps < K/fragments), but max_every=8: raise max_every to >= 12"),
     ({"fragments": 2, "sync_every": "auto", "warmup_steps": 2}, "warmup_steps"),

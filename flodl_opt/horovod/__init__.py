@@ -30,120 +30,33 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
-from . import launch
-from .wrapping import WrappedOptimizer, check_same_on_every_rank
-from .errors import ConfigError
-from .flat import unique
-from .grad_buckets import DEFAULT_BUCKET_BYTES, BucketReducer, GradBuffer
+from .. import launch
+from ..wrapping import WrappedOptimizer, check_same_on_every_rank
+from ..errors import ConfigError
+from ..flat import unique
+from ..grad_buckets import DEFAULT_BUCKET_BYTES, BucketReducer, GradBuffer
+from .common import (Adasum, Average, Compression, Compressor, Max, Min, Product, ReduceOp, Sum, _agree,
+                     _comm_device, _global_rank, _group_size, _op)
+from .ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_,
+                  barrier, broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allreduce,
+                  grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, join, poll,
+                  synchronize)
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "DistributedOptimizer", "allgather_object",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+    "nccl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "cuda_built", "rocm_built", "ccl_built", "ddl_built",
+    # the raw collectives, from flodl_opt/horovod/ops.py
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize", "join",
+    "barrier", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_",
 ]
-# The raw collectives (allreduce, allgather, broadcast, their _async forms, join, barrier) live in
-# flodl_opt/collectives.py.
 
 
-# ---------------------------------------------------------------- reduction ops
-class ReduceOp:
-    """A reduction for ``allreduce`` and ``DistributedOptimizer(op=...)`` (Horovod's names)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"flodl_opt.{self.name}"
-
-    def __reduce__(self):  # pickles as the module-level singleton
-        return self.name
-
-
-Average = ReduceOp("Average")
-Sum = ReduceOp("Sum")
-Min = ReduceOp("Min")
-Max = ReduceOp("Max")
-Product = ReduceOp("Product")
-Adasum = ReduceOp("Adasum")  # named so Horovod scripts import; rejected with a clear message
-
-_TORCH_OPS = {"Sum": dist.ReduceOp.SUM, "Average": dist.ReduceOp.SUM, "Min": dist.ReduceOp.MIN,
-              "Max": dist.ReduceOp.MAX, "Product": dist.ReduceOp.PRODUCT}
-
-
-def _op(op: Optional[ReduceOp], average: Optional[bool] = None) -> ReduceOp:
-    if op is None:
-        return Average if average is None or average else Sum
-    if average is not None:
-        raise ConfigError("pass either op= or the deprecated average=, not both")
-    if not isinstance(op, ReduceOp):
-        raise ConfigError(f"op must be flodl_opt.Average, Sum, Min, Max or Product, got {op!r}")
-    if op is Adasum:
-        raise ConfigError("Adasum is not supported: use op=flodl_opt.Average (the default), or "
-                          "LocalSGDOptimizer for communication-efficient training")
-    return op
-
-
-# ---------------------------------------------------------------- compression
-class Compressor:
-    """Gradient compression on the wire: reduce in ``wire_dtype`` instead of the gradient's dtype."""
-
-    wire_dtype: Optional[torch.dtype] = None
-
-    def __init__(self, name: str, wire_dtype: Optional[torch.dtype]):
-        self.name, self.wire_dtype = name, wire_dtype
-
-    def __repr__(self) -> str:
-        return f"flodl_opt.Compression.{self.name}"
-
-    def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-        """Horovod's interface: ``(tensor on the wire, ctx for decompress)``; others pass through."""
-        if self.wire_dtype is None or tensor.dtype not in (torch.float32, torch.float64):
-            return tensor, None
-        return tensor.to(self.wire_dtype), tensor.dtype
-
-    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Back to the dtype ``compress`` saw (``ctx``)."""
-        return tensor if ctx is None else tensor.to(ctx)
-
-
-class Compression:
-    """Horovod's ``Compression.none`` / ``Compression.fp16`` (float32/64 grads reduced in float16).
-
-    ``Compression.fp16.compress(t)`` returns ``(t.half(), t.dtype)`` for float32/64 tensors (any other
-    dtype passes through) and ``decompress(t, ctx)`` casts back, as in Horovod.
-    """
-
-    none = Compressor("none", None)
-    fp16 = Compressor("fp16", torch.float16)
-
-
-# ---------------------------------------------------------------- small collective helpers
-def _group_size(group) -> int:
-    launch.ensure_init()
-    if launch.size() == 1:
-        return 1
-    return dist.get_world_size(group)
-
-
-def _global_rank(group, rank: int) -> int:
-    size = dist.get_world_size(group)
-    if not 0 <= rank < size:
-        raise ConfigError(f"root_rank={rank} is outside the group of {size} ranks")
-    return dist.get_global_rank(group, rank) if group is not None else rank
-
-
-def _comm_device() -> torch.device:
-    """Where host-side helpers stage tensors for a collective: NCCL needs CUDA, Gloo takes CPU."""
-    return launch.device() if launch.backend() == "nccl" else torch.device("cpu")
-
-
-def _agree(ok: bool, group) -> bool:
-    """True on every rank iff ``ok`` on every rank (one tiny MIN), so a bad rank fails them all."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_comm_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
+# ---------------------------------------------------------------- fused tensor broadcast
 def _wire_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
@@ -300,7 +213,7 @@ def _fill(obj: Any, tensors: Sequence[torch.Tensor]) -> Any:
 
 
 def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    from .optimizer import LocalSGDOptimizer
+    from ..optimizer import LocalSGDOptimizer
     if isinstance(optimizer, (LocalSGDOptimizer, DistributedOptimizer)):
         return optimizer.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -420,7 +333,7 @@ class DistributedOptimizer(WrappedOptimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"DistributedOptimizer wraps a built torch.optim.Optimizer, got "
                               f"{type(optimizer).__name__}")
-        from .optimizer import LocalSGDOptimizer
+        from ..optimizer import LocalSGDOptimizer
         if isinstance(optimizer, (DistributedOptimizer, LocalSGDOptimizer)):
             raise ConfigError("the optimizer is already wrapped by flodl_opt; wrap the inner optimizer once")
         op = _op(op)

@@ -6,7 +6,8 @@
 * integer Average/prescale/postscale (float64 math truncated toward zero), int16/uint8/int8/bool
   gathers and broadcasts, Min/Max/Product, against float64 references computed here;
 * allreduce/allgather/broadcast are differentiable, against hand-derived gradients of the summed
-  loss; async handles, join() (a joined rank contributes zeros), barrier();
+  loss (allgather and broadcast average the upstream gradient over ranks, as Horovod); async
+  handles, join() (a joined rank contributes zeros), barrier();
 * Compression.compress/decompress; DistributedOptimizer on sparse gradients.
 """
 import numpy as np
@@ -216,6 +217,13 @@ def rank_grads(rank, world):
         (b * (rank + 1)).sum().backward()
         out[f"broadcast_{root}"] = x.grad
         out[f"broadcast_value_{root}"] = b.detach()
+    # the simplest case: a gradient of ones through allgather is ones, as in Horovod (not world)
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    hvd.allgather(x).backward(torch.ones(2 * world, dtype=torch.float64))
+    out["allgather_ones"] = x.grad
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    hvd.broadcast(x, 0).backward(torch.ones(2, dtype=torch.float64))
+    out["broadcast_ones"] = x.grad
     return {k: v.numpy() for k, v in out.items()}
 
 
@@ -232,13 +240,18 @@ def test_collectives_are_differentiable(world):
         # (every rank's loss has weight 1 here, so the summed upstream gradient is world * [1, 2, 3])
         want = [world * 1.0 * (rank == world - 1), world * 2.0 * (rank == 0), world * 3.0 / world]
         np.testing.assert_allclose(res["allreduce_Max"], want, rtol=1e-12)
+        # allgather and broadcast average the upstream gradients over ranks, as Horovod's
+        # HorovodAllgather/HorovodBroadcast.backward do (allreduce(grad, average=True))
         start = sum(rows[:rank])
-        coeff = np.arange(sum(rows), dtype=np.float64)[start:start + rows[rank], None] * loss_weight
+        coeff = np.arange(sum(rows), dtype=np.float64)[start:start + rows[rank], None] * loss_weight / world
         np.testing.assert_allclose(res["allgather"], np.broadcast_to(coeff, (rows[rank], 2)), rtol=1e-12)
         for root in range(world):
-            np.testing.assert_array_equal(res[f"broadcast_{root}"],
-                                          np.full((2, 2), loss_weight if rank == root else 0.0))
+            np.testing.assert_allclose(res[f"broadcast_{root}"],
+                                       np.full((2, 2), loss_weight / world if rank == root else 0.0),
+                                       rtol=1e-12)
             np.testing.assert_array_equal(res[f"broadcast_value_{root}"], np.full((2, 2), float(root)))
+        np.testing.assert_array_equal(res["allgather_ones"], np.ones(2))
+        np.testing.assert_array_equal(res["broadcast_ones"], np.ones(2) if rank == 0 else np.zeros(2))
 
 
 # ---------------------------------------------------------------- async handles, join, barrier

@@ -463,7 +463,11 @@ def _start_allgather(tensor: torch.Tensor, name: Optional[str], group,
 
 
 class _AllgatherFn(torch.autograd.Function):
-    """allgather with a gradient: this rank's rows of the gradient summed over ranks."""
+    """allgather with a gradient: this rank's rows of the gradient averaged over ranks.
+
+    Averaged, not summed, as in Horovod's ``HorovodAllgather.backward``: a ported script's
+    gradients (and learning rates tuned for them) stay what they were under Horovod.
+    """
 
     @staticmethod
     def forward(ctx, tensor, name, group):  # type: ignore[override]
@@ -474,9 +478,9 @@ class _AllgatherFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        summed = allreduce(grad, op=Sum, process_group=ctx.group)
+        mean = allreduce(grad, op=Average, process_group=ctx.group)
         start = sum(ctx.counts[:ctx.rank])
-        return summed.narrow(0, start, ctx.counts[ctx.rank]).reshape(ctx.shape), None, None
+        return mean.narrow(0, start, ctx.counts[ctx.rank]).reshape(ctx.shape), None, None
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_group=None) -> int:
@@ -489,8 +493,8 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_group=No
     """Every rank's ``tensor`` concatenated along dim 0, in rank order.
 
     First dims may differ; every other dim and the dtype must match (or every rank raises
-    ``CollectiveMismatchError``). Differentiable: the gradient is this rank's rows of the
-    gradient summed over ranks.
+    ``CollectiveMismatchError``). Differentiable, as in Horovod: the gradient is this rank's
+    rows of the gradient averaged over ranks (not summed).
 
     Example::
 
@@ -539,7 +543,8 @@ def _start_broadcast(tensor: torch.Tensor, out: torch.Tensor, root_rank: int, na
 
 
 class _BroadcastFn(torch.autograd.Function):
-    """broadcast with a gradient: the gradients summed over ranks land on root (zero elsewhere)."""
+    """broadcast with a gradient: the gradients averaged over ranks land on root (zero elsewhere),
+    as in Horovod's ``HorovodBroadcast.backward``."""
 
     @staticmethod
     def forward(ctx, tensor, root_rank, name, group):  # type: ignore[override]
@@ -549,11 +554,11 @@ class _BroadcastFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        summed = allreduce(grad, op=Sum, process_group=ctx.group)
+        mean = allreduce(grad, op=Average, process_group=ctx.group)
         me = dist.get_rank(ctx.group) if _group_size(ctx.group) > 1 else 0
         if me != ctx.root:
-            summed.zero_()
-        return summed, None, None, None
+            mean.zero_()
+        return mean, None, None, None
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = None,
@@ -583,7 +588,8 @@ def broadcast(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = No
     """Root's value of ``tensor``, in a new tensor (``tensor`` is not modified).
 
     The same shape and dtype on every rank, and the same ``root_rank``, or every rank raises
-    ``CollectiveMismatchError``. Differentiable: root's gradient is the sum of every rank's.
+    ``CollectiveMismatchError``. Differentiable, as in Horovod: root's gradient is the average
+    of every rank's gradient (not the sum), the other ranks' is zero.
 
     Example::
 

@@ -532,3 +532,111 @@ def test_horovod_sparse_option_is_refused_clearly():
     emb = nn.Embedding(10, 3, sparse=True)
     with pytest.raises(hvd.ConfigError, match="sparse_as_dense=True"):
         hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters())), sparse=True)
+
+
+# ---------------------------------------------------------------- object collectives against the others
+def _object_calls(rank):
+    """The calls that share the raw collectives' signature round; before they did, one against a
+    peer's raw collective aborted the process inside Gloo or waited out the collective timeout."""
+    def dist_opt():
+        return hvd.DistributedOptimizer(torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1))
+    return {
+        "DistributedOptimizer": dist_opt,
+        "allgather_object": lambda: hvd.allgather_object({"rank": rank}),
+        "broadcast_object": lambda: hvd.broadcast_object({"rank": rank}, root_rank=0),
+        "broadcast_parameters": lambda: hvd.broadcast_parameters(nn.Linear(3, 2).state_dict(), root_rank=0),
+        "broadcast_optimizer_state": lambda: hvd.broadcast_optimizer_state(
+            torch.optim.Adam(nn.Linear(3, 2).parameters()), root_rank=0),
+    }
+
+
+def _raw_calls():
+    return {
+        "allreduce": lambda: hvd.allreduce(torch.ones(3)),
+        "allreduce_async": lambda: hvd.synchronize(hvd.allreduce_async(torch.ones(3), name="m")),
+        "allgather": lambda: hvd.allgather(torch.ones(2, 3)),
+        "broadcast": lambda: hvd.broadcast(torch.ones(3), 0),
+        "barrier": lambda: hvd.barrier(),
+    }
+
+
+def rank_object_mismatch(rank, world):
+    import time
+    mine = _object_calls(rank)
+    everything = {**mine, **_raw_calls()}
+    out = {}
+    for a in mine:
+        for b in everything:
+            if a == b:
+                continue
+            for first in (0, 1):  # which rank runs the object call
+                t0 = time.monotonic()
+                out[(a, b, first)] = _catch(mine[a] if rank == first else everything[b]) + \
+                    (time.monotonic() - t0,)
+    # the same call with different names or roots
+    out["names"] = _catch(lambda: hvd.broadcast_object(1, 0, name=f"epoch{rank}")) + (0.0,)
+    out["gather_names"] = _catch(lambda: hvd.allgather_object(1, name=f"n{rank}")) + (0.0,)
+    out["roots"] = _catch(lambda: hvd.broadcast_object(1, root_rank=rank)) + (0.0,)
+    # arguments one rank refuses: its own ConfigError, a mismatch naming it on the peer
+    out["refused_params"] = _catch(lambda: hvd.broadcast_parameters(
+        {"w": torch.ones(2) if rank else "not a tensor"}, root_rank=0)) + (0.0,)
+    out["refused_optimizer"] = _catch(lambda: hvd.broadcast_optimizer_state(
+        torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1) if rank else "not an optimizer")) + (0.0,)
+    # matched calls still work after all of it
+    out["matched"] = (hvd.broadcast_object({"rank": rank}, root_rank=1), hvd.allgather_object(rank))
+    return out
+
+
+def test_object_collectives_against_other_collectives_raise_on_every_rank_quickly():
+    # a 60 s collective timeout and a 150 s test limit: a pairing that waited out the timeout (or
+    # aborted inside Gloo) fails the test; each pairing must raise in a fraction of that
+    out = run_ranks(rank_object_mismatch, 2, timeout=150, collective_timeout=60.0)
+    for rank, res in enumerate(out):
+        pairs = [k for k in res if isinstance(k, tuple)]
+        assert len(pairs) == 5 * 9 * 2
+        for key in pairs + ["names", "gather_names", "roots"]:
+            err, alive, took = res[key]
+            assert alive == 2, (rank, key)
+            assert err is not None, (rank, key, "did not raise")
+            classes, msg = err
+            assert "CollectiveMismatchError" in classes, (rank, key, msg)
+            assert "different collectives" in msg, (rank, key, msg)
+            assert took < 10.0, (rank, key, took)
+        err = res[("DistributedOptimizer", "allreduce", 0)][0][1]
+        assert "building DistributedOptimizer" in err and "allreduce(float32[3]" in err, err
+        assert "broadcast_object(root_rank=0, name='epoch0')" in res["names"][0][1]
+        assert "broadcast_object(root_rank=0, name='epoch1')" in res["names"][0][1]
+        for key in ("refused_params", "refused_optimizer"):
+            (classes, msg), alive, _ = res[key]
+            assert alive == 2 and "ConfigError" in classes, (rank, key, msg)
+            if rank == 0:
+                assert "not a tensor" in msg or "takes a torch optimizer" in msg, (key, msg)
+            else:
+                assert "CollectiveMismatchError" in classes and "rank(s) [0] refused" in msg, (key, msg)
+        assert res["matched"] == ({"rank": 1}, [0, 1])
+
+
+# ---------------------------------------------------------------- matched by call order, not by name
+def rank_reordered_names(rank, world):
+    # Horovod pairs these by name; here they pair by call order, so a reordered pair must raise
+    # (the same shapes: ignoring the names would sum "loss" with "acc" without a word)
+    names = ["loss", "acc"] if rank == 0 else ["acc", "loss"]
+    out = {}
+    for i, name in enumerate(names):
+        out[i] = _catch(lambda: hvd.synchronize(hvd.allreduce_async(torch.full((3,), float(i)), name=name)))
+    # the same order on every rank works
+    h = [hvd.allreduce_async(torch.full((3,), float(rank)), name=n, op=hvd.Sum) for n in ("loss", "acc")]
+    out["ordered"] = [hvd.synchronize(x).tolist() for x in h]
+    return out
+
+
+def test_reordered_named_collectives_raise_naming_both_names():
+    out = run_ranks(rank_reordered_names, 2, timeout=60)
+    for rank, res in enumerate(out):
+        for i in (0, 1):
+            err, alive = res[i]
+            assert alive == 2 and err is not None, (rank, i)
+            classes, msg = err
+            assert "CollectiveMismatchError" in classes, (rank, msg)
+            assert "name='loss'" in msg and "name='acc'" in msg and "call order" in msg, msg
+        assert res["ordered"] == [[1.0] * 3, [1.0] * 3]

@@ -17,7 +17,30 @@ A Horovod script runs with renames only (``import flodl_opt as hvd``)::
 
 ``DistributedOptimizer`` averages gradients before every inner step, bucket by bucket while
 backward still runs (a persistent flat buffer per gradient dtype, each ``p.grad`` a view of it;
-``flodl_opt/grad_buckets.py``), not one collective per parameter. Swapping it for ``LocalSGDOptimizer`` is the one-argument change to local SGD.
+``flodl_opt/grad_buckets.py``), not one collective per parameter. Swapping it for
+``LocalSGDOptimizer`` is the one-argument change to local SGD.
+
+Layout: this module is the API (``DistributedOptimizer``, the broadcasts, the object collectives);
+``flodl_opt/horovod/ops.py`` holds the raw collectives (``allreduce``, ``allgather``, ``broadcast``,
+their ``_async`` forms, ``join``, ``barrier``), re-exported here; ``flodl_opt/horovod/common.py`` what
+both use (reduction ops, compression, the signature round).
+
+Matching across ranks: by call order, not by name. Horovod pairs collectives by name (its
+background thread waits until every rank has submitted a tensor of that name, so named async calls
+may be issued in different orders on different ranks). Here every collective of this package, the
+object collectives, broadcasts and ``DistributedOptimizer``'s build included, first exchanges a small
+signature (kind, name, dtype, shape, op, root); the n-th call of one rank pairs with the n-th call of
+every other, and if any of that differs, names included, every rank raises
+``CollectiveMismatchError`` at once, printing both calls (``allreduce(..., name='loss')`` against
+``allreduce(..., name='acc')``), never a hang, a crash inside Gloo or a silent sum of two different
+tensors. A script that issues its collectives in the same order on every rank (almost every script)
+runs unchanged; one that relies on name matching to reorder them must issue them in one order. Call
+order keeps the training loop's thread the only one that touches the process group (no background
+thread to race the optimizer's own collectives).
+
+Gradients through the collectives are Horovod's: ``allreduce``'s is the allreduce of the gradient
+(same op and scale factors); ``allgather``'s is this rank's rows of the gradient averaged over ranks;
+``broadcast``'s is the gradient averaged over ranks on root and zero elsewhere.
 """
 from __future__ import annotations
 
@@ -35,8 +58,9 @@ from ..wrapping import WrappedOptimizer, check_same_on_every_rank
 from ..errors import ConfigError
 from ..flat import unique
 from ..grad_buckets import DEFAULT_BUCKET_BYTES, BucketReducer, GradBuffer
-from .common import (Adasum, Average, Compression, Compressor, Max, Min, Product, ReduceOp, Sum, _agree,
-                     _comm_device, _global_rank, _group_size, _op)
+from .common import (_ALLGATHER_OBJECT, _BROADCAST_OBJECT, _BROADCAST_OPTIMIZER_STATE, _BROADCAST_PARAMETERS,
+                     _DISTRIBUTED_OPTIMIZER, Adasum, Average, Compression, Compressor, Max, Min, Product,
+                     ReduceOp, Sum, _agree, _comm_device, _global_rank, _group_size, _op, check_call)
 from .ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_,
                   barrier, broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allreduce,
                   grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, join, poll,
@@ -90,14 +114,24 @@ def _broadcast_into(targets: Sequence[torch.Tensor], root: int, group) -> None:
 
 
 # ---------------------------------------------------------------- object collectives and broadcasts
+# Each public call below first runs the signature round (common.check_call), like the raw
+# collectives: a rank that calls another collective meanwhile makes every rank raise at once.
 def allgather_object(obj: Any, name: Optional[str] = None, process_group=None) -> List[Any]:
     """Every rank's ``obj`` (picklable), as a list in rank order."""
     n = _group_size(process_group)
     if n == 1:
         return [obj]
+    check_call(_ALLGATHER_OBJECT, process_group, name)
     out: List[Any] = [None] * n
     dist.all_gather_object(out, obj, group=process_group)
     return out
+
+
+def _send_object(obj: Any, root: int, group) -> Any:
+    """Root's ``obj`` on every rank (``root`` a global rank); no signature round of its own."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=root, group=group)
+    return box[0]
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None,
@@ -110,9 +144,8 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = 
     """
     if _group_size(process_group) == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=_global_rank(process_group, root_rank), group=process_group)
-    return box[0]
+    check_call(_BROADCAST_OBJECT, process_group, name, root_rank)
+    return _send_object(obj, _global_rank(process_group, root_rank), process_group)
 
 
 def _named_tensors(params) -> List[Tuple[str, torch.Tensor]]:
@@ -149,10 +182,15 @@ def broadcast_parameters(params, root_rank: int = 0, process_group=None) -> None
     """
     if _group_size(process_group) == 1:
         return
+    named, error = [], None
+    try:
+        named = _named_tensors(params)
+    except ConfigError as e:  # refused on every rank, in the signature round
+        error = str(e)
+    check_call(_BROADCAST_PARAMETERS, process_group, root_rank=root_rank, error=error)
     root = _global_rank(process_group, root_rank)
-    named = _named_tensors(params)
     mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
-    theirs = broadcast_object(mine, root_rank, process_group=process_group)
+    theirs = _send_object(mine, root, process_group)
     ok = mine == theirs
     if not _agree(ok, process_group):
         diff = "" if ok else _first_difference(mine, theirs)
@@ -221,7 +259,7 @@ def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, model=None,
                               process_group=None) -> None:
     """Give every rank root's optimizer state and hyperparameters.
 
@@ -232,18 +270,45 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     receives root's. Works on plain torch optimizers and on flodl_opt's wrappers (their inner
     optimizer).
 
+    As after Horovod's version, on a rank whose optimizer had no state yet every parameter that
+    requires a gradient and has none gets a zero gradient (sparse for ``SparseAdam``, and for
+    ``SGD`` on the sparse embeddings of ``model``), so code that reads ``p.grad`` right after it
+    runs unchanged; the next backward adds to it as to ``None``.
+
     Example::
 
         flo.broadcast_optimizer_state(opt, root_rank=0)   # e.g. after rank 0 loaded a checkpoint
     """
-    inner = _inner_optimizer(optimizer)
-    if _group_size(process_group) == 1:
-        return
+    inner, error = None, None
+    try:
+        inner = _inner_optimizer(optimizer)
+    except ConfigError as e:  # refused on every rank, in the signature round
+        error = str(e)
+    n = _group_size(process_group)
+    if n == 1 and error is not None:
+        raise ConfigError(error)
+    had_state = inner is not None and len(inner.state) > 0
+    if n > 1:
+        check_call(_BROADCAST_OPTIMIZER_STATE, process_group, root_rank=root_rank, error=error)
+        _receive_optimizer_state(inner, root_rank, process_group)
+    if not had_state:
+        _zero_missing_grads(inner, model)
+
+
+def _receive_optimizer_state(inner: torch.optim.Optimizer, root_rank: int, process_group) -> None:
     root = _global_rank(process_group, root_rank)
     is_root = dist.get_rank() == root
     tensors: List[torch.Tensor] = []
-    skeleton = _strip(inner.state_dict(), tensors) if is_root else None
-    skeleton = broadcast_object(skeleton, root_rank, process_group=process_group)
+    skeleton: Any = None
+    if is_root:
+        try:
+            skeleton = _strip(inner.state_dict(), tensors)
+        except Exception as e:  # noqa: BLE001 - sent to every rank (a str), raised there
+            skeleton = f"{type(e).__name__}: {e}"
+    skeleton = _send_object(skeleton, root, process_group)
+    if isinstance(skeleton, str):
+        raise ConfigError(f"broadcast_optimizer_state: root rank {root_rank} could not read its "
+                          f"optimizer's state_dict(): {skeleton}")
     layout = [len(g["params"]) for g in inner.param_groups]
     root_layout = [len(g["params"]) for g in skeleton["param_groups"]]
     if not _agree(layout == root_layout, process_group):
@@ -266,6 +331,22 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not _agree(error is None, process_group):
         raise ConfigError(f"broadcast_optimizer_state: loading root's state failed"
                           f"{f' here: {error}' if error else ' on another rank'}") from error
+
+
+def _zero_missing_grads(inner: torch.optim.Optimizer, model) -> None:
+    """Horovod's broadcast_optimizer_state leaves a zero ``.grad`` on every parameter that requires
+    one (its zero-gradient step creates them); scripts read them right after (e.g. to broadcast)."""
+    sparse_ids = set()
+    if model is not None and isinstance(inner, torch.optim.SGD):
+        sparse_ids = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse
+                      for p in m.parameters()}
+    with torch.no_grad():
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    grad = torch.zeros_like(p)
+                    sparse = isinstance(inner, torch.optim.SparseAdam) or id(p) in sparse_ids
+                    p.grad = grad.to_sparse(min(1, grad.dim())) if sparse else grad
 
 
 # ---------------------------------------------------------------- DistributedOptimizer
@@ -369,7 +450,13 @@ class DistributedOptimizer(WrappedOptimizer):
         self._size = _group_size(process_group)
         self._params = [p for p in unique(p for g in optimizer.param_groups for p in g["params"])
                         if p.requires_grad]
-        self._names = _param_names(self._params, named_parameters)
+        names_error = None
+        try:
+            self._names = _param_names(self._params, named_parameters)
+        except ConfigError as e:  # refused on every rank, in the signature round below
+            if self._size == 1:
+                raise
+            self._names, names_error = [f"param #{i}" for i in range(len(self._params))], str(e)
         self._should_synchronize = True
         self._synchronized = False
         self._joined = False
@@ -379,7 +466,15 @@ class DistributedOptimizer(WrappedOptimizer):
         self._buffers: List[GradBuffer] = []
         self._reducer: Optional[BucketReducer] = None
         if self._size > 1:
-            slots = self._build_buffers()
+            slots, error = None, names_error
+            if error is None:
+                try:
+                    slots = self._build_buffers()
+                except ConfigError as e:
+                    error = str(e)
+            # A signature round first, as every collective of this package: a peer in another
+            # collective makes both raise here instead of aborting inside Gloo.
+            check_call(_DISTRIBUTED_OPTIMIZER, process_group, error=error)
             self._check_same_everywhere()
             self._reducer = BucketReducer(self._buffers, self._params, slots, process_group,
                                           backward_passes_per_step,

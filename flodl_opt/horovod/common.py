@@ -114,8 +114,18 @@ def _agree(ok: bool, group) -> bool:
 
 # ---------------------------------------------------------------- the signature
 _ALLREDUCE, _ALLGATHER, _BROADCAST, _BARRIER, _JOIN = 1, 2, 3, 4, 5
+# The object collectives and DistributedOptimizer's build check exchange the same signature first,
+# so a rank in one of them while its peer runs any other collective of this package raises instead
+# of pairing two collectives of different sizes (Gloo aborts the process) or waiting out the timeout.
+_ALLGATHER_OBJECT, _BROADCAST_OBJECT, _BROADCAST_PARAMETERS, _BROADCAST_OPTIMIZER_STATE = 6, 7, 8, 9
+_DISTRIBUTED_OPTIMIZER = 10
 _KIND_NAMES = {_ALLREDUCE: "allreduce", _ALLGATHER: "allgather", _BROADCAST: "broadcast",
-               _BARRIER: "barrier", _JOIN: "join"}
+               _BARRIER: "barrier", _JOIN: "join", _ALLGATHER_OBJECT: "allgather_object",
+               _BROADCAST_OBJECT: "broadcast_object", _BROADCAST_PARAMETERS: "broadcast_parameters",
+               _BROADCAST_OPTIMIZER_STATE: "broadcast_optimizer_state",
+               _DISTRIBUTED_OPTIMIZER: "DistributedOptimizer"}
+_TENSOR_KINDS = (_ALLREDUCE, _ALLGATHER, _BROADCAST)
+_ROOTED_KINDS = (_BROADCAST, _BROADCAST_OBJECT, _BROADCAST_PARAMETERS, _BROADCAST_OPTIMIZER_STATE)
 _OPS: List[ReduceOp] = [Average, Sum, Min, Max, Product]
 _DTYPES: List[torch.dtype] = [d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
@@ -128,8 +138,10 @@ _DEVICES = {"cpu": 0, "cuda": 1}
 _MAGIC, _KIND, _DTYPE, _DEVICE, _ARG, _GRAD, _NAME, _PRE, _POST, _ROUNDS, _ERR, _NDIM = range(12)
 _DIMS, _NDIMS_KEPT = 12, 11          # the first 11 dims verbatim (enough to rebuild the numel) ...
 _TAIL, _HASH = _DIMS + _NDIMS_KEPT, _DIMS + _NDIMS_KEPT + 1   # ... the product of the rest, a hash
-_SIG_LEN = _HASH + 1
+_TEXT, _TEXT_WORDS = _HASH + 1, 4    # the name's first 32 UTF-8 bytes, so an error can print it
+_SIG_LEN = _TEXT + _TEXT_WORDS
 _MAGIC_VALUE = 0x464C4F44  # a misaligned collective shows up as a bad magic, not as a shape error
+
 
 def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
@@ -137,6 +149,19 @@ def _bits(x: float) -> int:
 
 def _name_code(name: Optional[str]) -> int:
     return -1 if name is None else zlib.crc32(str(name).encode())
+
+
+def _name_words(name: Optional[str]) -> List[int]:
+    raw = b"" if name is None else str(name).encode()[:8 * _TEXT_WORDS]
+    raw = raw.ljust(8 * _TEXT_WORDS, b"\0")
+    return list(struct.unpack(f"<{_TEXT_WORDS}q", raw))
+
+
+def _name_text(sig: List[int]) -> str:
+    """The name a signature carries (its first 32 bytes; '...' marks a longer one)."""
+    raw = struct.pack(f"<{_TEXT_WORDS}q", *sig[_TEXT:_TEXT + _TEXT_WORDS])
+    text = raw.rstrip(b"\0").decode("utf-8", "replace")
+    return repr(text) + ("..." if len(raw.rstrip(b"\0")) == len(raw) else "")
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -170,6 +195,7 @@ class _Call:
             sig[_DIMS + i] = d
         sig[_TAIL] = _numel(self.shape[_NDIMS_KEPT:])
         sig[_HASH] = zlib.crc32(repr(tuple(self.shape[1:])).encode())
+        sig[_TEXT:_TEXT + _TEXT_WORDS] = _name_words(self.name)
         return sig
 
 
@@ -188,8 +214,11 @@ def _describe(sig: List[int]) -> str:
     kind = _KIND_NAMES.get(sig[_KIND], "?")
     if sig[_ERR]:
         return f"{kind} with arguments it refused (see its own error)"
-    if sig[_KIND] in (_JOIN, _BARRIER):
-        return f"{kind}()"
+    name = "name=<none>" if sig[_NAME] == -1 else f"name={_name_text(sig)}"
+    if sig[_KIND] in (_JOIN, _BARRIER, _DISTRIBUTED_OPTIMIZER):
+        return f"{kind}()" if sig[_KIND] != _DISTRIBUTED_OPTIMIZER else f"building {kind}"
+    if sig[_KIND] not in _TENSOR_KINDS:
+        return f"{kind}({'root_rank=%d, ' % sig[_ARG] if sig[_KIND] in _ROOTED_KINDS else ''}{name})"
     dtype = _DTYPES[sig[_DTYPE] - 1] if sig[_DTYPE] else "unsupported dtype"
     dev = {v: k for k, v in _DEVICES.items()}.get(sig[_DEVICE], "other device")
     parts = [f"{str(dtype).replace('torch.', '')}{_sig_shape(sig)} on {dev}"]
@@ -200,7 +229,7 @@ def _describe(sig: List[int]) -> str:
             parts.append(f"prescale={pre:g}, postscale={post:g}")
     if sig[_KIND] == _BROADCAST:
         parts.append(f"root_rank={sig[_ARG]}")
-    parts.append("name=<none>" if sig[_NAME] == -1 else f"name hash {sig[_NAME]:08x}")
+    parts.append(name)
     if sig[_GRAD]:
         parts.append("requires grad")
     return f"{kind}({', '.join(parts)})"
@@ -226,6 +255,8 @@ def _same(kind: int, a: List[int], b: List[int]) -> bool:
         keys += list(range(_DIMS, _DIMS + _NDIMS_KEPT))
     elif kind == _ALLGATHER:  # the first dim may differ
         keys += list(range(_DIMS + 1, _DIMS + _NDIMS_KEPT))
+    elif kind in (_ALLGATHER_OBJECT, _BROADCAST_OBJECT, _BROADCAST_PARAMETERS, _BROADCAST_OPTIMIZER_STATE):
+        keys = [_MAGIC, _KIND, _ARG, _NAME]  # what the objects hold is checked by the call itself
     else:
         keys = [_MAGIC, _KIND]
     return all(a[k] == b[k] for k in keys)
@@ -255,9 +286,9 @@ def _judge(sigs: List[List[int]]) -> _Agreement:
                                f"{_describe(ref)}; rank {r}: {_describe(sigs[r])}")
             return agreement
     kind = ref[_KIND]
-    if kind == _BROADCAST and not 0 <= ref[_ARG] < n:
+    if kind in _ROOTED_KINDS and not 0 <= ref[_ARG] < n:
         agreement.error = f"root_rank={ref[_ARG]} is outside the group of {n} ranks"
-    elif joined and kind in (_ALLGATHER, _BROADCAST):
+    elif joined and kind not in (_ALLREDUCE, _BARRIER):
         agreement.error = (f"rank(s) {joined} already called join(): while a rank is joined only "
                            "allreduce (and barrier) can run, as in Horovod")
     return agreement
@@ -280,7 +311,28 @@ def _negotiate(call: _Call, group) -> _Agreement:
     if agreement.error is not None:
         what = _KIND_NAMES.get(call.kind, "collective")
         raise CollectiveMismatchError(
-            f"{what}{f' {call.name!r}' if call.name is not None else ''}: {agreement.error}. Every "
-            "rank must pass the same name, dtype, device and shape (allgather: all but the first dim), "
-            "the same op/scale factors (allreduce) and the same root_rank (broadcast).")
+            f"{what}{f' {call.name!r}' if call.name is not None else ''}: {agreement.error}. "
+            "Collectives are matched by call order (not by name, as in Horovod): every rank must call "
+            "the same collectives in the same order, with the same name, dtype, device and shape "
+            "(allgather: all but the first dim), the same op/scale factors (allreduce) and the same "
+            "root_rank (broadcasts).")
     return agreement
+
+
+def check_call(kind: int, group, name: Optional[str] = None, root_rank: int = 0,
+               error: Optional[str] = None) -> None:
+    """The signature round for a collective that is not a tensor collective (object collectives,
+    DistributedOptimizer's build check): every rank raises unless all called the same thing.
+
+    ``error`` is this rank's refusal of its own arguments: it raises it as a ``ConfigError`` and
+    its peers a ``CollectiveMismatchError`` naming it, instead of waiting for it in the next step.
+    """
+    if _group_size(group) == 1:
+        if error is not None:
+            raise ConfigError(error)
+        return
+    if error is None and kind in _ROOTED_KINDS and (isinstance(root_rank, bool) or not isinstance(root_rank, int)):
+        error = f"root_rank must be an int, got {root_rank!r}"
+    if error is not None:
+        root_rank = 0
+    _negotiate(_Call(kind, name, arg=root_rank, error=error), group)

@@ -8,7 +8,10 @@
 * allreduce/allgather/broadcast are differentiable, against hand-derived gradients of the summed
   loss (allgather and broadcast average the upstream gradient over ranks, as Horovod); async
   handles, join() (a joined rank contributes zeros), barrier();
-* Compression.compress/decompress; DistributedOptimizer on sparse gradients.
+* Compression.compress/decompress; DistributedOptimizer on sparse gradients (SparseAdam included);
+* object collectives, broadcasts and DistributedOptimizer's build against every other collective
+  raise CollectiveMismatchError on every rank at once; a reordered named pair raises (call order);
+* broadcast_optimizer_state leaves zero gradients as Horovod's does.
 """
 import numpy as np
 import pytest
@@ -640,3 +643,106 @@ def test_reordered_named_collectives_raise_naming_both_names():
             assert "CollectiveMismatchError" in classes, (rank, msg)
             assert "name='loss'" in msg and "name='acc'" in msg and "call order" in msg, msg
         assert res["ordered"] == [[1.0] * 3, [1.0] * 3]
+
+
+# ---------------------------------------------------------------- SparseAdam, gradients after broadcasts
+_SPARSE_IDX = ([[1, 2, 4], [4, 3, 9]], [[0, 4, 4], [7, 7, 1]])
+
+
+def rank_sparse_adam(rank, world, steps):
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 3, sparse=True).double()
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.1),
+                                   sparse_as_dense=True)
+    idx = torch.tensor(_SPARSE_IDX[rank])
+    for _ in range(steps):
+        opt.zero_grad()
+        (emb(idx) * (rank + 1)).sum().backward()
+        opt.step()
+    return emb.weight.detach().numpy()
+
+
+def test_sparse_as_dense_with_sparse_adam_matches_sparse_adam_on_the_averaged_gradient():
+    steps = 3
+    out = run_ranks(rank_sparse_adam, 2, steps, timeout=60)
+    # reference: one process, SparseAdam fed the rank-averaged gradient as a sparse tensor
+    torch.manual_seed(0)
+    ref = nn.Embedding(10, 3, sparse=True).double()
+    ref_opt = torch.optim.SparseAdam(list(ref.parameters()), lr=0.1)
+    grad = torch.zeros(10, 3, dtype=torch.float64)
+    for rank, idx in enumerate(_SPARSE_IDX):
+        for i in np.ravel(idx):
+            grad[i] += (rank + 1) / 2
+    for _ in range(steps):
+        ref.weight.grad = grad.to_sparse(1)
+        ref_opt.step()
+    untouched = [5, 6, 8]  # no rank looked these rows up: SparseAdam leaves them
+    torch.manual_seed(0)
+    init = nn.Embedding(10, 3).double().weight.detach().numpy()
+    for w in out:
+        np.testing.assert_allclose(w, ref.weight.detach().numpy(), rtol=1e-12, atol=1e-14)
+        np.testing.assert_array_equal(w[untouched], init[untouched])
+        assert not np.allclose(w, init)
+    np.testing.assert_array_equal(out[0], out[1])
+
+
+class _NoGrad(nn.Module):
+    """Horovod's test_broadcast_state_no_grad model: an int param without a gradient, one with."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.tensor([1, 3], dtype=torch.int32), requires_grad=False)
+        self.b = nn.Parameter(torch.arange(4.0))
+
+    def forward(self, x):
+        return torch.index_select(self.b, 0, self.a.long()) * x
+
+
+def rank_state_no_grad(rank, world):
+    out = {}
+    model = _NoGrad()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    out["a_grad"] = model.a.grad
+    grad = model.b.grad
+    out["b_grad"] = None if grad is None else grad.numpy().copy()
+    out["bgrad"] = hvd.broadcast(grad, root_rank=0).numpy()  # Horovod's test does this
+    model(torch.ones(2)).sum().backward()   # adds to the zero gradient as to None
+    opt.step()
+    out["b"] = model.b.detach().numpy()
+    # SparseAdam: the zero gradients are sparse (it refuses dense ones)
+    emb = nn.Embedding(5, 2, sparse=True)
+    sparse_opt = torch.optim.SparseAdam(list(emb.parameters()))
+    hvd.broadcast_optimizer_state(sparse_opt, root_rank=0)
+    out["sparse_grad"] = emb.weight.grad.is_sparse
+    sparse_opt.step()  # accepted
+    # a rank whose optimizer already has state is left alone (nothing to initialise)
+    m2 = nn.Linear(2, 1)
+    o2 = torch.optim.Adam(m2.parameters())
+    m2(torch.ones(1, 2)).sum().backward()
+    o2.step()
+    o2.zero_grad()
+    hvd.broadcast_optimizer_state(o2, root_rank=0)
+    out["stateful_grads"] = [p.grad for p in m2.parameters()]
+    return out
+
+
+def test_broadcast_optimizer_state_leaves_zero_grads_as_horovod():
+    out = run_ranks(rank_state_no_grad, 2, timeout=60)
+    for res in out:
+        assert res["a_grad"] is None  # requires_grad=False: no gradient
+        np.testing.assert_array_equal(res["b_grad"], np.zeros(4, dtype=np.float32))
+        np.testing.assert_array_equal(res["bgrad"], np.zeros(4, dtype=np.float32))
+        # one SGD step on d/db of b[1] + b[3] (averaged over 2 identical ranks)
+        np.testing.assert_allclose(res["b"], np.arange(4.0) - 0.1 * np.array([0, 1, 0, 1]), rtol=1e-6)
+        assert res["sparse_grad"] is True
+        assert res["stateful_grads"] == [None, None]
+
+
+def test_broadcast_optimizer_state_world_of_one_leaves_zero_grads():
+    model = _NoGrad()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert model.a.grad is None and torch.equal(model.b.grad, torch.zeros(4))

@@ -377,7 +377,8 @@ class DistributedOptimizer(WrappedOptimizer):
         op: ``Average`` (default) or ``Sum``.
         gradient_predivide_factor: with ``Average``, scale by ``1/f`` before the sum and by
             ``f/n`` after it (guards low-precision sums against overflow).
-        sparse_as_dense: densify sparse gradients instead of refusing them.
+        sparse_as_dense: densify sparse gradients instead of refusing them (a ``SparseAdam``
+            gets the averaged gradients back as sparse tensors, as in Horovod).
         process_group: the group to average over (default: the world).
         bucket_bytes: gradient bytes per collective (Horovod's fusion threshold; DDP's
             ``bucket_cap_mb``). Default 25 MiB, as DDP (see BENCHMARKS.md); the first bucket is
@@ -409,8 +410,8 @@ class DistributedOptimizer(WrappedOptimizer):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True, sparse: Any = False):
         if sparse:
             raise ConfigError("DistributedOptimizer(sparse=True) (Horovod's allgather of sparse gradients) is "
-                              "not supported: pass sparse_as_dense=True to average them densely (not with "
-                              "SparseAdam, which needs sparse gradients)")
+                              "not supported: pass sparse_as_dense=True to average them densely (SparseAdam "
+                              "then gets the averages back as sparse gradients)")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"DistributedOptimizer wraps a built torch.optim.Optimizer, got "
                               f"{type(optimizer).__name__}")
@@ -529,6 +530,7 @@ class DistributedOptimizer(WrappedOptimizer):
             self._too_many_here = max(self._reducer.passes, default=0)
             count = self._reduce(contribute=True, too_many=too_many)
             self._check_passes(count, too_many)
+            self._sparse_for_inner()
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -591,6 +593,7 @@ class DistributedOptimizer(WrappedOptimizer):
                 if n == 0:
                     break
                 rounds += 1
+                self._sparse_for_inner()
                 self.optimizer.step()
         finally:
             self._joined = False
@@ -603,6 +606,15 @@ class DistributedOptimizer(WrappedOptimizer):
         _broadcast_into(self._params, _global_rank(self.process_group, last), self.process_group)
 
     # ------------------------------------------------------------ internals
+    def _sparse_for_inner(self) -> None:
+        """SparseAdam takes sparse gradients only: after the dense average (``sparse_as_dense``)
+        hand it the averaged gradients back as sparse tensors, as Horovod does."""
+        if not isinstance(self.optimizer, torch.optim.SparseAdam):
+            return
+        for p in self._params:
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse(min(1, p.grad.dim()))
+
     def _build_buffers(self) -> list:
         """One GradBuffer per (device, dtype), laid out in reverse parameter order (backward's)."""
         by_key: "OrderedDict[Tuple[torch.device, torch.dtype], List[int]]" = OrderedDict()

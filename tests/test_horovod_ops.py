@@ -13,6 +13,8 @@
   raise CollectiveMismatchError on every rank at once; a reordered named pair raises (call order);
 * broadcast_optimizer_state leaves zero gradients as Horovod's does.
 """
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -496,11 +498,23 @@ def rank_grouped(rank, world):
     out["count_mismatch"] = _catch(lambda: hvd.grouped_allreduce(
         [torch.ones(3)] * (3 if rank == 0 else 2), name="m"))
     out["empty"] = _catch(lambda: hvd.grouped_allreduce([] if rank == world - 1 else [torch.ones(1)]))
+    # grouped_allgather: allgather per tensor (first dims may differ), with allgather's gradient
+    parts = [torch.full((1 + rank, 2), float(rank + i), dtype=torch.float64, requires_grad=True)
+             for i in range(3)]
+    gathered = hvd.grouped_allgather(parts, name="gg")
+    out["gathered"] = [g.detach().numpy() for g in gathered]
+    rows = sum(1 + r for r in range(world))
+    sum(((i + 1.0) * (rank + 1) * torch.arange(rows, dtype=torch.float64)[:, None] * g).sum()
+        for i, g in enumerate(gathered)).backward()
+    out["gather_grads"] = [p.grad.numpy() for p in parts]
+    h = hvd.grouped_allgather_async([torch.full((2,), rank), torch.full((1,), -rank)])
+    out["gather_async"] = [t.numpy() for t in hvd.synchronize(h)]
+    out["gather_count_mismatch"] = _catch(lambda: hvd.grouped_allgather([torch.ones(1)] * (2 + rank)))
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_grouped_allreduce_is_allreduce_per_tensor(world):
+def test_grouped_allreduce_and_allgather_are_the_collective_per_tensor(world):
     out = run_ranks(rank_grouped, world, timeout=90)
     base = np.arange(-8, 9, dtype=np.float64)
     ranks = np.arange(world) + 1.0
@@ -520,6 +534,19 @@ def test_grouped_allreduce_is_allreduce_per_tensor(world):
             assert alive == world, (rank, case)
             assert err is not None and "ConfigError" in err[0], (rank, case, err)
         assert "CollectiveMismatchError" in res["count_mismatch"][0][0]
+        start = sum(1 + r for r in range(rank))
+        coeff = np.arange(sum(1 + r for r in range(world)), dtype=np.float64)[start:start + 1 + rank, None]
+        for i in range(3):
+            np.testing.assert_array_equal(res["gathered"][i], np.concatenate(
+                [np.full((1 + r, 2), float(r + i)) for r in range(world)]))
+            # averaged over ranks, as allgather's: (i + 1) * mean of (r + 1) * row index
+            np.testing.assert_allclose(res["gather_grads"][i],
+                                       np.broadcast_to((i + 1.0) * ranks.mean() * coeff, (1 + rank, 2)),
+                                       rtol=1e-12)
+        np.testing.assert_array_equal(res["gather_async"][0], np.repeat(np.arange(world), 2))
+        np.testing.assert_array_equal(res["gather_async"][1], -np.arange(world))
+        err, alive = res["gather_count_mismatch"]
+        assert alive == world and "CollectiveMismatchError" in err[0], (rank, err)
 
 
 def test_build_introspection_answers_for_the_installed_torch():
@@ -746,3 +773,45 @@ def test_broadcast_optimizer_state_world_of_one_leaves_zero_grads():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert model.a.grad is None and torch.equal(model.b.grad, torch.zeros(4))
+
+
+def rank_parameter_names(rank, world):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(
+        [{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1))
+    named = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    return ([opt._parameter_names[p] for p in model.parameters()],
+            [named._parameter_names[p] for p in model.parameters()])
+
+
+def test_parameter_names_map_as_horovod():
+    # Horovod's test_optimizer_no_named_parameters reads the {param: name} map: unique names, the
+    # same on every rank, and the given names where named_parameters was passed
+    out = run_ranks(rank_parameter_names, 2, timeout=60)
+    unnamed, named = out[0]
+    assert len(set(unnamed)) == 4 and out[1] == out[0]
+    assert named == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+def test_duplicate_names_are_refused_before_init():
+    # Horovod's test_duplicate_names builds the optimizer without hvd.init(): the names are
+    # checked first, whether or not the launch is initialized
+    import flodl_opt
+    net1, net2 = nn.Linear(2, 1), nn.Linear(2, 1)
+    opt = torch.optim.SGD(list(net1.parameters()) + list(net2.parameters()), lr=0.1)
+    named = list(net1.named_parameters()) + list(net2.named_parameters())
+    was = flodl_opt.is_initialized()
+    flodl_opt.shutdown()
+    env = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE")}
+    os.environ.update(RANK="0", WORLD_SIZE="2")  # as under a launcher, before init()
+    try:
+        with pytest.raises(ValueError, match="duplicate names"):
+            hvd.DistributedOptimizer(opt, named_parameters=named)
+    finally:
+        for k, v in env.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+        if was:
+            flodl_opt.init()

@@ -130,13 +130,19 @@ KNOWN: Dict[str, Tuple[str, str]] = {
     "test_sparse_embeddings": (UNCLAIMED, "DistributedOptimizer(sparse=True): Horovod's sparse allreduce"),
     "test_async_sparse_allreduce": (UNCLAIMED, "sparse_allreduce_async: Horovod's sparse allreduce"),
     "test_broadcast_state": (ARTEFACT, "the loop over every torch.optim.Optimizer subclass meets "
-                                       "torch.optim.Muon (torch >= 2.9), which refuses 1-D parameters"),
+                                       "torch.optim.Muon (newer than the test), whose constructor "
+                                       "refuses 1-D parameters"),
     "test_broadcast_state_options": (ARTEFACT, "the same loop over every optimizer meets torch.optim.Muon"),
     "test_force_allreduce": (ARTEFACT, "the same loop over every optimizer meets torch.optim.Muon"),
-    "test_horovod_join_allreduce": (ARTEFACT, "the integer reference is t.floor_divide(2), which floors "
-                                              "since torch 1.13; Horovod and flodl_opt truncate toward zero"),
-    "test_dynamic_requires_grad": (ARTEFACT, "reads p.grad.max() of a parameter that never went through "
-                                             "backward: zero_grad() sets grads to None since torch 2.0"),
+    # Horovod pairs collectives by name: rank 0 starts "duplicate_name", both ranks enter a barrier,
+    # then rank 1 starts its own; here collectives pair by call order (documented), so rank 0's
+    # allreduce meets rank 1's barrier and both raise CollectiveMismatchError at once
+    "test_horovod_allreduce_duplicate_name_error": (UNCLAIMED, "matching by name across a barrier "
+                                                               "(collectives pair by call order here)"),
+    "test_horovod_allgather_duplicate_name_error": (UNCLAIMED, "matching by name across a barrier "
+                                                               "(collectives pair by call order here)"),
+    "test_horovod_broadcast_duplicate_name_error": (UNCLAIMED, "matching by name across a barrier "
+                                                               "(collectives pair by call order here)"),
 }
 # Whole families flodl_opt does not claim (README): the test name says which.
 _UNCLAIMED_NAMES = re.compile(r"process_set|alltoall|reducescatter|adasum")

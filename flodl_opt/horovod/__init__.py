@@ -62,9 +62,9 @@ from .common import (_ALLGATHER_OBJECT, _BROADCAST_OBJECT, _BROADCAST_OPTIMIZER_
                      _DISTRIBUTED_OPTIMIZER, Adasum, Average, Compression, Compressor, Max, Min, Product,
                      ReduceOp, Sum, _agree, _comm_device, _global_rank, _group_size, _op, check_call)
 from .ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_,
-                  barrier, broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allreduce,
-                  grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, join, poll,
-                  synchronize)
+                  barrier, broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
+                  grouped_allgather_async, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                  grouped_allreduce_async_, join, poll, synchronize)
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
@@ -76,7 +76,7 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize", "join",
     "barrier", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_",
+    "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
 ]
 
 
@@ -436,6 +436,16 @@ class DistributedOptimizer(WrappedOptimizer):
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ConfigError(f"bucket_bytes must be an int >= 1 (bytes of gradients per collective, "
                               f"e.g. 25 * 2**20), got {bucket_bytes!r}")
+        params = [p for p in unique(p for g in optimizer.param_groups for p in g["params"]) if p.requires_grad]
+        names_error = None
+        try:
+            names = _param_names(params, named_parameters)
+        except ConfigError as e:
+            # Before init (no group to tell) or alone: here, as Horovod does. Else every rank
+            # raises in the signature round below, instead of the peers waiting for this one.
+            if not launch.is_initialized() or _group_size(process_group) == 1:
+                raise
+            names, names_error = [f"param #{i}" for i in range(len(params))], str(e)
         launch.ensure_init()
 
         # Share the inner optimizer's param_groups and state (flodl_opt/wrapping.py).
@@ -449,15 +459,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self.process_group = process_group
         self.bucket_bytes, self.overlap = bucket_bytes, bool(overlap)
         self._size = _group_size(process_group)
-        self._params = [p for p in unique(p for g in optimizer.param_groups for p in g["params"])
-                        if p.requires_grad]
-        names_error = None
-        try:
-            self._names = _param_names(self._params, named_parameters)
-        except ConfigError as e:  # refused on every rank, in the signature round below
-            if self._size == 1:
-                raise
-            self._names, names_error = [f"param #{i}" for i in range(len(self._params))], str(e)
+        self._params, self._names = params, names
         self._should_synchronize = True
         self._synchronized = False
         self._joined = False
@@ -604,6 +606,11 @@ class DistributedOptimizer(WrappedOptimizer):
         dist.all_reduce(key, op=dist.ReduceOp.MIN, group=self.process_group)
         last = int(key.item()) % self._size
         _broadcast_into(self._params, _global_rank(self.process_group, last), self.process_group)
+
+    @property
+    def _parameter_names(self) -> Dict[torch.Tensor, str]:
+        """Horovod's ``{param: name}`` map (its private attribute, read by some scripts)."""
+        return {p: n for p, n in zip(self._params, self._names)}
 
     # ------------------------------------------------------------ internals
     def _sparse_for_inner(self) -> None:

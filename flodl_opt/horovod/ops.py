@@ -38,7 +38,7 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize", "join",
     "barrier", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_",
+    "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
 ]
 
 # ---------------------------------------------------------------- staging
@@ -349,17 +349,19 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
 
 
 # ---------------------------------------------------------------- grouped allreduce
-def _group_names(tensors: Sequence[torch.Tensor], name: Optional[str], group) -> List[str]:
+def _group_names(tensors: Sequence[torch.Tensor], name: Optional[str], group,
+                 kind: int = _ALLREDUCE) -> List[str]:
     """One name per tensor; the group size is in every name, so ranks passing lists of different
     lengths disagree on the first tensor's signature (every rank raises) instead of pairing the
     extra tensor with whatever collective a peer calls next."""
+    what = f"grouped_{_KIND_NAMES[kind]}"
     if not isinstance(tensors, (list, tuple)) or not tensors:
-        error = (f"grouped_allreduce takes a non-empty list or tuple of tensors, got "
+        error = (f"{what} takes a non-empty list or tuple of tensors, got "
                  f"{type(tensors).__name__}{' (empty)' if isinstance(tensors, (list, tuple)) else ''}")
         if _group_size(group) > 1:
-            _negotiate(_Call(_ALLREDUCE, name, error=error), group)
+            _negotiate(_Call(kind, name, error=error), group)
         raise ConfigError(error)
-    base = "grouped_allreduce" if name is None else str(name)
+    base = what if name is None else str(name)
     return [f"{base}[{i}/{len(tensors)}]" for i in range(len(tensors))]
 
 
@@ -504,6 +506,35 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_group=No
     if torch.is_grad_enabled() and tensor.requires_grad:
         return _AllgatherFn.apply(tensor, name, process_group)
     return synchronize(allgather_async(tensor, name, process_group))
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_group=None) -> int:
+    """Start an allgather of every tensor of the list; ``synchronize`` returns the list of results."""
+    names = _group_names(tensors, name, process_group, _ALLGATHER)
+    subs: List[int] = []
+    try:
+        for t, n in zip(tensors, names):
+            subs.append(allgather_async(t, n, process_group))
+    except BaseException:
+        for h in subs:  # every rank started these: finish them so the group stays in step
+            synchronize(h)
+        raise
+    works = [w for h in subs for w in _handles[h].works]
+    return _submit(works, lambda: [synchronize(h) for h in subs], None)  # type: ignore[arg-type,return-value]
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_group=None) -> List[torch.Tensor]:
+    """Horovod's ``grouped_allgather``: ``allgather`` of each tensor of the list (each with its
+    guarantees and its gradient), one after another.
+
+    Example::
+
+        preds, labels = hvd.grouped_allgather([preds, labels], name="eval")
+    """
+    names = _group_names(tensors, name, process_group, _ALLGATHER)
+    return [allgather(t, n, process_group) for t, n in zip(tensors, names)]
 
 
 # ---------------------------------------------------------------- broadcast

@@ -612,6 +612,10 @@ def rank_object_mismatch(rank, world):
         {"w": torch.ones(2) if rank else "not a tensor"}, root_rank=0)) + (0.0,)
     out["refused_optimizer"] = _catch(lambda: hvd.broadcast_optimizer_state(
         torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1) if rank else "not an optimizer")) + (0.0,)
+    # a joined peer: only allreduce and barrier run while a rank is joined, as in Horovod
+    if rank == 0:
+        out["joined"] = _catch_local(lambda: hvd.broadcast_object(1, root_rank=0))
+    hvd.join()
     # matched calls still work after all of it
     out["matched"] = (hvd.broadcast_object({"rank": rank}, root_rank=1), hvd.allgather_object(rank))
     return out
@@ -644,6 +648,7 @@ def test_object_collectives_against_other_collectives_raise_on_every_rank_quickl
             else:
                 assert "CollectiveMismatchError" in classes and "rank(s) [0] refused" in msg, (key, msg)
         assert res["matched"] == ({"rank": 1}, [0, 1])
+    assert "already called join()" in out[0]["joined"], out[0]["joined"]
 
 
 # ---------------------------------------------------------------- matched by call order, not by name

@@ -177,7 +177,7 @@ class _Call:
     dtype: Optional[torch.dtype] = None
     device: str = "cpu"
     shape: Tuple[int, ...] = ()
-    arg: int = 0                     # op index (allreduce) or root rank (broadcast)
+    arg: int = 0                     # op index (allreduce) or root rank (the broadcasts)
     grad: bool = False
     pre: float = 1.0
     post: float = 1.0
@@ -210,13 +210,15 @@ def _sig_numel(sig: List[int]) -> int:
 
 def _describe(sig: List[int]) -> str:
     if sig[_MAGIC] != _MAGIC_VALUE:
-        return "another collective (not a flodl_opt allreduce/allgather/broadcast)"
+        return "another collective (not one of flodl_opt's Horovod-API calls)"
     kind = _KIND_NAMES.get(sig[_KIND], "?")
     if sig[_ERR]:
         return f"{kind} with arguments it refused (see its own error)"
     name = "name=<none>" if sig[_NAME] == -1 else f"name={_name_text(sig)}"
-    if sig[_KIND] in (_JOIN, _BARRIER, _DISTRIBUTED_OPTIMIZER):
-        return f"{kind}()" if sig[_KIND] != _DISTRIBUTED_OPTIMIZER else f"building {kind}"
+    if sig[_KIND] == _DISTRIBUTED_OPTIMIZER:
+        return f"building {kind}"
+    if sig[_KIND] in (_JOIN, _BARRIER):
+        return f"{kind}()"
     if sig[_KIND] not in _TENSOR_KINDS:
         return f"{kind}({'root_rank=%d, ' % sig[_ARG] if sig[_KIND] in _ROOTED_KINDS else ''}{name})"
     dtype = _DTYPES[sig[_DTYPE] - 1] if sig[_DTYPE] else "unsupported dtype"

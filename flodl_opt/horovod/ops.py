@@ -5,8 +5,10 @@ Every call first exchanges a small fixed-size signature (kind, dtype, device, sh
 name, scale factors, whether it needs a gradient) with one ``all_gather``, then moves the data.
 So ranks that disagree get a ``CollectiveMismatchError`` on every rank instead of a crash inside
 Gloo, a hang or silently wrong numbers, and a rank inside ``join()`` learns what its peers reduce
-and answers with a neutral contribution. The extra round costs one tiny collective per call: these
-functions are for metrics and other small tensors (``DistributedOptimizer`` does not use them).
+and answers with a neutral contribution. Calls pair across ranks by call order, not by name as in
+Horovod (the package docstring, ``flodl_opt/horovod/__init__.py``, says why): a reordered pair of
+named calls raises on every rank, naming both. The extra round costs one tiny collective per call:
+these functions are for metrics and other small tensors (``DistributedOptimizer`` does not use them).
 
 Example::
 

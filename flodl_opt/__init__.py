@@ -14,14 +14,14 @@ from .dcp import DCPState
 from .checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
 from .errors import (AveragedElsewhereWarning, CollectiveMismatchError, ConfigError, NonFiniteError,
                      NonFiniteWarning, SyncError)
-from .horovod import (Adasum, Average, Compression, DistributedOptimizer, Max, Min, Product, Sum,
-                      allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters,
-                      ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
-                      mpi_threads_supported, nccl_built, rocm_built)
-from .collectives import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
-                          allreduce_async_, barrier, broadcast, broadcast_, broadcast_async,
-                          broadcast_async_, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                          grouped_allreduce_async_, join, poll, synchronize)
+from .horovod import (Adasum, Average, Compression, DistributedOptimizer, Max, Min, Product, Sum, allgather,
+                      allgather_async, allgather_object, allreduce, allreduce_, allreduce_async,
+                      allreduce_async_, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
+                      broadcast_object, broadcast_optimizer_state, broadcast_parameters, ccl_built,
+                      cuda_built, ddl_built, gloo_built, gloo_enabled, grouped_allgather,
+                      grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
+                      grouped_allreduce_async, grouped_allreduce_async_, join, mpi_built, mpi_enabled,
+                      mpi_threads_supported, nccl_built, poll, rocm_built, synchronize)
 from .launch import (backend, device, init, is_initialized, launch_info, local_rank, local_size, rank,
                      shutdown, size)
 from .optimizer import LocalSGDOptimizer
@@ -40,6 +40,6 @@ __all__ = [
     "allgather_async", "broadcast_async", "broadcast_async_", "poll", "synchronize", "join", "barrier",
     "AveragedElsewhereWarning", "DCPState",
     "CollectiveMismatchError", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "nccl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
+    "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async", "nccl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "cuda_built", "rocm_built", "ccl_built", "ddl_built",
 ]

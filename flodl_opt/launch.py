@@ -137,7 +137,32 @@ def _rendezvous_env(info: LaunchInfo) -> None:
         job = (os.environ.get("OMPI_MCA_ess_base_jobid") or os.environ.get("PMIX_NAMESPACE")
                or (f"{slurm}.{os.environ.get('SLURM_STEP_ID', '')}" if slurm else None) or "flodl")
         digest = int(hashlib.sha1(job.encode()).hexdigest()[:8], 16)
-        os.environ["MASTER_PORT"] = str(20000 + digest % 20000)
+        lo, hi = _port_window()
+        os.environ["MASTER_PORT"] = str(lo + digest % (hi - lo))
+
+
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _port_window(path: str = _EPHEMERAL_RANGE) -> "tuple[int, int]":
+    """Ports ``[lo, hi)`` to derive a job's MASTER_PORT from: outside the kernel's ephemeral range,
+    which outgoing connections take (one of them holding the port fails rank 0 with EADDRINUSE).
+
+    10000-32767 under Linux's default range (32768-60999) and where it cannot be read; below or
+    above another range, wherever at least 1000 ports are free of it. Nodes whose ranges differ may
+    derive different ports: set MASTER_PORT there.
+    """
+    lo, hi = 10000, 32768
+    try:
+        with open(path) as f:
+            first, last = (int(v) for v in f.read().split()[:2])
+    except (OSError, ValueError):
+        return lo, hi
+    if first - lo >= 1000:
+        return lo, min(hi, first)
+    if 65536 - (last + 1) >= 1000:
+        return last + 1, 65536
+    return lo, hi  # no room outside the range: keep the default window
 
 
 def _master_addr_over_mpi() -> Optional[str]:

@@ -6,9 +6,15 @@
 * integer Average/prescale/postscale (float64 math truncated toward zero), int16/uint8/int8/bool
   gathers and broadcasts, Min/Max/Product, against float64 references computed here;
 * allreduce/allgather/broadcast are differentiable, against hand-derived gradients of the summed
-  loss; async handles, join() (a joined rank contributes zeros), barrier();
-* Compression.compress/decompress; DistributedOptimizer on sparse gradients.
+  loss (allgather and broadcast average the upstream gradient over ranks, as Horovod); async
+  handles, join() (a joined rank contributes zeros), barrier();
+* Compression.compress/decompress; DistributedOptimizer on sparse gradients (SparseAdam included);
+* object collectives, broadcasts and DistributedOptimizer's build against every other collective
+  raise CollectiveMismatchError on every rank at once; a reordered named pair raises (call order);
+* broadcast_optimizer_state leaves zero gradients as Horovod's does.
 """
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -216,6 +222,13 @@ def rank_grads(rank, world):
         (b * (rank + 1)).sum().backward()
         out[f"broadcast_{root}"] = x.grad
         out[f"broadcast_value_{root}"] = b.detach()
+    # the simplest case: a gradient of ones through allgather is ones, as in Horovod (not world)
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    hvd.allgather(x).backward(torch.ones(2 * world, dtype=torch.float64))
+    out["allgather_ones"] = x.grad
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    hvd.broadcast(x, 0).backward(torch.ones(2, dtype=torch.float64))
+    out["broadcast_ones"] = x.grad
     return {k: v.numpy() for k, v in out.items()}
 
 
@@ -232,13 +245,18 @@ def test_collectives_are_differentiable(world):
         # (every rank's loss has weight 1 here, so the summed upstream gradient is world * [1, 2, 3])
         want = [world * 1.0 * (rank == world - 1), world * 2.0 * (rank == 0), world * 3.0 / world]
         np.testing.assert_allclose(res["allreduce_Max"], want, rtol=1e-12)
+        # allgather and broadcast average the upstream gradients over ranks, as Horovod's
+        # HorovodAllgather/HorovodBroadcast.backward do (allreduce(grad, average=True))
         start = sum(rows[:rank])
-        coeff = np.arange(sum(rows), dtype=np.float64)[start:start + rows[rank], None] * loss_weight
+        coeff = np.arange(sum(rows), dtype=np.float64)[start:start + rows[rank], None] * loss_weight / world
         np.testing.assert_allclose(res["allgather"], np.broadcast_to(coeff, (rows[rank], 2)), rtol=1e-12)
         for root in range(world):
-            np.testing.assert_array_equal(res[f"broadcast_{root}"],
-                                          np.full((2, 2), loss_weight if rank == root else 0.0))
+            np.testing.assert_allclose(res[f"broadcast_{root}"],
+                                       np.full((2, 2), loss_weight / world if rank == root else 0.0),
+                                       rtol=1e-12)
             np.testing.assert_array_equal(res[f"broadcast_value_{root}"], np.full((2, 2), float(root)))
+        np.testing.assert_array_equal(res["allgather_ones"], np.ones(2))
+        np.testing.assert_array_equal(res["broadcast_ones"], np.ones(2) if rank == 0 else np.zeros(2))
 
 
 # ---------------------------------------------------------------- async handles, join, barrier
@@ -480,11 +498,23 @@ def rank_grouped(rank, world):
     out["count_mismatch"] = _catch(lambda: hvd.grouped_allreduce(
         [torch.ones(3)] * (3 if rank == 0 else 2), name="m"))
     out["empty"] = _catch(lambda: hvd.grouped_allreduce([] if rank == world - 1 else [torch.ones(1)]))
+    # grouped_allgather: allgather per tensor (first dims may differ), with allgather's gradient
+    parts = [torch.full((1 + rank, 2), float(rank + i), dtype=torch.float64, requires_grad=True)
+             for i in range(3)]
+    gathered = hvd.grouped_allgather(parts, name="gg")
+    out["gathered"] = [g.detach().numpy() for g in gathered]
+    rows = sum(1 + r for r in range(world))
+    sum(((i + 1.0) * (rank + 1) * torch.arange(rows, dtype=torch.float64)[:, None] * g).sum()
+        for i, g in enumerate(gathered)).backward()
+    out["gather_grads"] = [p.grad.numpy() for p in parts]
+    h = hvd.grouped_allgather_async([torch.full((2,), rank), torch.full((1,), -rank)])
+    out["gather_async"] = [t.numpy() for t in hvd.synchronize(h)]
+    out["gather_count_mismatch"] = _catch(lambda: hvd.grouped_allgather([torch.ones(1)] * (2 + rank)))
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_grouped_allreduce_is_allreduce_per_tensor(world):
+def test_grouped_allreduce_and_allgather_are_the_collective_per_tensor(world):
     out = run_ranks(rank_grouped, world, timeout=90)
     base = np.arange(-8, 9, dtype=np.float64)
     ranks = np.arange(world) + 1.0
@@ -504,6 +534,19 @@ def test_grouped_allreduce_is_allreduce_per_tensor(world):
             assert alive == world, (rank, case)
             assert err is not None and "ConfigError" in err[0], (rank, case, err)
         assert "CollectiveMismatchError" in res["count_mismatch"][0][0]
+        start = sum(1 + r for r in range(rank))
+        coeff = np.arange(sum(1 + r for r in range(world)), dtype=np.float64)[start:start + 1 + rank, None]
+        for i in range(3):
+            np.testing.assert_array_equal(res["gathered"][i], np.concatenate(
+                [np.full((1 + r, 2), float(r + i)) for r in range(world)]))
+            # averaged over ranks, as allgather's: (i + 1) * mean of (r + 1) * row index
+            np.testing.assert_allclose(res["gather_grads"][i],
+                                       np.broadcast_to((i + 1.0) * ranks.mean() * coeff, (1 + rank, 2)),
+                                       rtol=1e-12)
+        np.testing.assert_array_equal(res["gather_async"][0], np.repeat(np.arange(world), 2))
+        np.testing.assert_array_equal(res["gather_async"][1], -np.arange(world))
+        err, alive = res["gather_count_mismatch"]
+        assert alive == world and "CollectiveMismatchError" in err[0], (rank, err)
 
 
 def test_build_introspection_answers_for_the_installed_torch():
@@ -519,3 +562,261 @@ def test_horovod_sparse_option_is_refused_clearly():
     emb = nn.Embedding(10, 3, sparse=True)
     with pytest.raises(hvd.ConfigError, match="sparse_as_dense=True"):
         hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters())), sparse=True)
+
+
+# ---------------------------------------------------------------- object collectives against the others
+def _object_calls(rank):
+    """The calls that share the raw collectives' signature round; before they did, one against a
+    peer's raw collective aborted the process inside Gloo or waited out the collective timeout."""
+    def dist_opt():
+        return hvd.DistributedOptimizer(torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1))
+    return {
+        "DistributedOptimizer": dist_opt,
+        "allgather_object": lambda: hvd.allgather_object({"rank": rank}),
+        "broadcast_object": lambda: hvd.broadcast_object({"rank": rank}, root_rank=0),
+        "broadcast_parameters": lambda: hvd.broadcast_parameters(nn.Linear(3, 2).state_dict(), root_rank=0),
+        "broadcast_optimizer_state": lambda: hvd.broadcast_optimizer_state(
+            torch.optim.Adam(nn.Linear(3, 2).parameters()), root_rank=0),
+    }
+
+
+def _raw_calls():
+    return {
+        "allreduce": lambda: hvd.allreduce(torch.ones(3)),
+        "allreduce_async": lambda: hvd.synchronize(hvd.allreduce_async(torch.ones(3), name="m")),
+        "allgather": lambda: hvd.allgather(torch.ones(2, 3)),
+        "broadcast": lambda: hvd.broadcast(torch.ones(3), 0),
+        "barrier": lambda: hvd.barrier(),
+    }
+
+
+def rank_object_mismatch(rank, world):
+    import time
+    mine = _object_calls(rank)
+    everything = {**mine, **_raw_calls()}
+    out = {}
+    for a in mine:
+        for b in everything:
+            if a == b:
+                continue
+            for first in (0, 1):  # which rank runs the object call
+                t0 = time.monotonic()
+                out[(a, b, first)] = _catch(mine[a] if rank == first else everything[b]) + \
+                    (time.monotonic() - t0,)
+    # the same call with different names or roots
+    out["names"] = _catch(lambda: hvd.broadcast_object(1, 0, name=f"epoch{rank}")) + (0.0,)
+    out["gather_names"] = _catch(lambda: hvd.allgather_object(1, name=f"n{rank}")) + (0.0,)
+    out["roots"] = _catch(lambda: hvd.broadcast_object(1, root_rank=rank)) + (0.0,)
+    # arguments one rank refuses: its own ConfigError, a mismatch naming it on the peer
+    out["refused_params"] = _catch(lambda: hvd.broadcast_parameters(
+        {"w": torch.ones(2) if rank else "not a tensor"}, root_rank=0)) + (0.0,)
+    out["refused_optimizer"] = _catch(lambda: hvd.broadcast_optimizer_state(
+        torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1) if rank else "not an optimizer")) + (0.0,)
+    # a joined peer: only allreduce and barrier run while a rank is joined, as in Horovod
+    if rank == 0:
+        out["joined"] = _catch_local(lambda: hvd.broadcast_object(1, root_rank=0))
+    hvd.join()
+    # matched calls still work after all of it
+    out["matched"] = (hvd.broadcast_object({"rank": rank}, root_rank=1), hvd.allgather_object(rank))
+    return out
+
+
+def test_object_collectives_against_other_collectives_raise_on_every_rank_quickly():
+    # a 60 s collective timeout and a 150 s test limit: a pairing that waited out the timeout (or
+    # aborted inside Gloo) fails the test; each pairing must raise in a fraction of that
+    out = run_ranks(rank_object_mismatch, 2, timeout=150, collective_timeout=60.0)
+    for rank, res in enumerate(out):
+        pairs = [k for k in res if isinstance(k, tuple)]
+        assert len(pairs) == 5 * 9 * 2
+        for key in pairs + ["names", "gather_names", "roots"]:
+            err, alive, took = res[key]
+            assert alive == 2, (rank, key)
+            assert err is not None, (rank, key, "did not raise")
+            classes, msg = err
+            assert "CollectiveMismatchError" in classes, (rank, key, msg)
+            assert "different collectives" in msg, (rank, key, msg)
+            assert took < 10.0, (rank, key, took)
+        err = res[("DistributedOptimizer", "allreduce", 0)][0][1]
+        assert "building DistributedOptimizer" in err and "allreduce(float32[3]" in err, err
+        assert "broadcast_object(root_rank=0, name='epoch0')" in res["names"][0][1]
+        assert "broadcast_object(root_rank=0, name='epoch1')" in res["names"][0][1]
+        for key in ("refused_params", "refused_optimizer"):
+            (classes, msg), alive, _ = res[key]
+            assert alive == 2 and "ConfigError" in classes, (rank, key, msg)
+            if rank == 0:
+                assert "not a tensor" in msg or "takes a torch optimizer" in msg, (key, msg)
+            else:
+                assert "CollectiveMismatchError" in classes and "rank(s) [0] refused" in msg, (key, msg)
+        assert res["matched"] == ({"rank": 1}, [0, 1])
+    assert "already called join()" in out[0]["joined"], out[0]["joined"]
+
+
+# ---------------------------------------------------------------- matched by call order, not by name
+def rank_reordered_names(rank, world):
+    # Horovod pairs these by name; here they pair by call order, so a reordered pair must raise
+    # (the same shapes: ignoring the names would sum "loss" with "acc" without a word)
+    names = ["loss", "acc"] if rank == 0 else ["acc", "loss"]
+    out = {}
+    for i, name in enumerate(names):
+        out[i] = _catch(lambda: hvd.synchronize(hvd.allreduce_async(torch.full((3,), float(i)), name=name)))
+    # the same order on every rank works
+    h = [hvd.allreduce_async(torch.full((3,), float(rank)), name=n, op=hvd.Sum) for n in ("loss", "acc")]
+    out["ordered"] = [hvd.synchronize(x).tolist() for x in h]
+    return out
+
+
+def test_reordered_named_collectives_raise_naming_both_names():
+    out = run_ranks(rank_reordered_names, 2, timeout=60)
+    for rank, res in enumerate(out):
+        for i in (0, 1):
+            err, alive = res[i]
+            assert alive == 2 and err is not None, (rank, i)
+            classes, msg = err
+            assert "CollectiveMismatchError" in classes, (rank, msg)
+            assert "name='loss'" in msg and "name='acc'" in msg and "call order" in msg, msg
+        assert res["ordered"] == [[1.0] * 3, [1.0] * 3]
+
+
+# ---------------------------------------------------------------- SparseAdam, gradients after broadcasts
+_SPARSE_IDX = ([[1, 2, 4], [4, 3, 9]], [[0, 4, 4], [7, 7, 1]])
+
+
+def rank_sparse_adam(rank, world, steps):
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 3, sparse=True).double()
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.1),
+                                   sparse_as_dense=True)
+    idx = torch.tensor(_SPARSE_IDX[rank])
+    for _ in range(steps):
+        opt.zero_grad()
+        (emb(idx) * (rank + 1)).sum().backward()
+        opt.step()
+    return emb.weight.detach().numpy()
+
+
+def test_sparse_as_dense_with_sparse_adam_matches_sparse_adam_on_the_averaged_gradient():
+    steps = 3
+    out = run_ranks(rank_sparse_adam, 2, steps, timeout=60)
+    # reference: one process, SparseAdam fed the rank-averaged gradient as a sparse tensor
+    torch.manual_seed(0)
+    ref = nn.Embedding(10, 3, sparse=True).double()
+    ref_opt = torch.optim.SparseAdam(list(ref.parameters()), lr=0.1)
+    grad = torch.zeros(10, 3, dtype=torch.float64)
+    for rank, idx in enumerate(_SPARSE_IDX):
+        for i in np.ravel(idx):
+            grad[i] += (rank + 1) / 2
+    for _ in range(steps):
+        ref.weight.grad = grad.to_sparse(1)
+        ref_opt.step()
+    untouched = [5, 6, 8]  # no rank looked these rows up: SparseAdam leaves them
+    torch.manual_seed(0)
+    init = nn.Embedding(10, 3).double().weight.detach().numpy()
+    for w in out:
+        np.testing.assert_allclose(w, ref.weight.detach().numpy(), rtol=1e-12, atol=1e-14)
+        np.testing.assert_array_equal(w[untouched], init[untouched])
+        assert not np.allclose(w, init)
+    np.testing.assert_array_equal(out[0], out[1])
+
+
+class _NoGrad(nn.Module):
+    """Horovod's test_broadcast_state_no_grad model: an int param without a gradient, one with."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.tensor([1, 3], dtype=torch.int32), requires_grad=False)
+        self.b = nn.Parameter(torch.arange(4.0))
+
+    def forward(self, x):
+        return torch.index_select(self.b, 0, self.a.long()) * x
+
+
+def rank_state_no_grad(rank, world):
+    out = {}
+    model = _NoGrad()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    out["a_grad"] = model.a.grad
+    grad = model.b.grad
+    out["b_grad"] = None if grad is None else grad.numpy().copy()
+    out["bgrad"] = hvd.broadcast(grad, root_rank=0).numpy()  # Horovod's test does this
+    model(torch.ones(2)).sum().backward()   # adds to the zero gradient as to None
+    opt.step()
+    out["b"] = model.b.detach().numpy()
+    # SparseAdam: the zero gradients are sparse (it refuses dense ones)
+    emb = nn.Embedding(5, 2, sparse=True)
+    sparse_opt = torch.optim.SparseAdam(list(emb.parameters()))
+    hvd.broadcast_optimizer_state(sparse_opt, root_rank=0)
+    out["sparse_grad"] = emb.weight.grad.is_sparse
+    sparse_opt.step()  # accepted
+    # a rank whose optimizer already has state is left alone (nothing to initialise)
+    m2 = nn.Linear(2, 1)
+    o2 = torch.optim.Adam(m2.parameters())
+    m2(torch.ones(1, 2)).sum().backward()
+    o2.step()
+    o2.zero_grad()
+    hvd.broadcast_optimizer_state(o2, root_rank=0)
+    out["stateful_grads"] = [p.grad for p in m2.parameters()]
+    return out
+
+
+def test_broadcast_optimizer_state_leaves_zero_grads_as_horovod():
+    out = run_ranks(rank_state_no_grad, 2, timeout=60)
+    for res in out:
+        assert res["a_grad"] is None  # requires_grad=False: no gradient
+        np.testing.assert_array_equal(res["b_grad"], np.zeros(4, dtype=np.float32))
+        np.testing.assert_array_equal(res["bgrad"], np.zeros(4, dtype=np.float32))
+        # one SGD step on d/db of b[1] + b[3] (averaged over 2 identical ranks)
+        np.testing.assert_allclose(res["b"], np.arange(4.0) - 0.1 * np.array([0, 1, 0, 1]), rtol=1e-6)
+        assert res["sparse_grad"] is True
+        assert res["stateful_grads"] == [None, None]
+
+
+def test_broadcast_optimizer_state_world_of_one_leaves_zero_grads():
+    model = _NoGrad()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert model.a.grad is None and torch.equal(model.b.grad, torch.zeros(4))
+
+
+def rank_parameter_names(rank, world):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(
+        [{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1))
+    named = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    return ([opt._parameter_names[p] for p in model.parameters()],
+            [named._parameter_names[p] for p in model.parameters()])
+
+
+def test_parameter_names_map_as_horovod():
+    # Horovod's test_optimizer_no_named_parameters reads the {param: name} map: unique names, the
+    # same on every rank, and the given names where named_parameters was passed
+    out = run_ranks(rank_parameter_names, 2, timeout=60)
+    unnamed, named = out[0]
+    assert len(set(unnamed)) == 4 and out[1] == out[0]
+    assert named == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+def test_duplicate_names_are_refused_before_init():
+    # Horovod's test_duplicate_names builds the optimizer without hvd.init(): the names are
+    # checked first, whether or not the launch is initialized
+    import flodl_opt
+    net1, net2 = nn.Linear(2, 1), nn.Linear(2, 1)
+    opt = torch.optim.SGD(list(net1.parameters()) + list(net2.parameters()), lr=0.1)
+    named = list(net1.named_parameters()) + list(net2.named_parameters())
+    was = flodl_opt.is_initialized()
+    flodl_opt.shutdown()
+    env = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE")}
+    os.environ.update(RANK="0", WORLD_SIZE="2")  # as under a launcher, before init()
+    try:
+        with pytest.raises(ValueError, match="duplicate names"):
+            hvd.DistributedOptimizer(opt, named_parameters=named)
+    finally:
+        for k, v in env.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+        if was:
+            flodl_opt.init()

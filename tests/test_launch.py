@@ -55,11 +55,38 @@ def test_single_node_mpi_defaults_to_loopback_and_a_job_port(monkeypatch):
     monkeypatch.setenv("OMPI_MCA_ess_base_jobid", "1234")
     launch._rendezvous_env(launch.LaunchInfo("openmpi", 0, 2, 0, 2))
     port = int(os.environ["MASTER_PORT"])
-    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and 20000 <= port < 40000
+    lo, hi = launch._port_window()
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and lo <= port < hi
     # every rank of the same job derives the same port
     monkeypatch.delenv("MASTER_PORT")
     launch._rendezvous_env(launch.LaunchInfo("openmpi", 1, 2, 1, 2))
     assert int(os.environ["MASTER_PORT"]) == port
+
+
+def test_job_port_stays_outside_the_ephemeral_range(tmp_path, monkeypatch):
+    # outgoing connections take ports of the ephemeral range: a derived MASTER_PORT there can
+    # already be held (EADDRINUSE on rank 0)
+    def window(text):
+        f = tmp_path / "range"
+        f.write_text(text)
+        return launch._port_window(str(f))
+    assert window("32768\t60999\n") == (10000, 32768)       # Linux's default range
+    assert window("20000 60999") == (10000, 20000)
+    assert window("1024 50000") == (50001, 65536)              # nothing below: above it
+    assert window("1024 65000") == (10000, 32768)              # no room: the default window
+    assert launch._port_window(str(tmp_path / "missing")) == (10000, 32768)
+    first, last = 32768, 60999
+    if os.path.exists(launch._EPHEMERAL_RANGE):
+        first, last = (int(v) for v in open(launch._EPHEMERAL_RANGE).read().split())
+    for v in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(v, "")  # recorded, so what _rendezvous_env sets is undone afterwards
+    for job in range(200):
+        for v in ("MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(v, raising=False)
+        monkeypatch.setenv("OMPI_MCA_ess_base_jobid", str(job))
+        launch._rendezvous_env(launch.LaunchInfo("openmpi", 0, 2, 0, 2))
+        port = int(os.environ["MASTER_PORT"])
+        assert not first <= port <= last and 1024 <= port < 65536, (job, port)
 
 
 def test_world_of_one_has_no_process_group_and_is_idempotent():

@@ -81,7 +81,8 @@ def test_multi_node_slurm_without_ntasks_per_node_does_not_assume_one_node(monke
         launch._rendezvous_env(info)
     monkeypatch.setenv("SLURM_NNODES", "1")  # one node: loopback and a port from the job id
     launch._rendezvous_env(info)
-    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and 20000 <= int(os.environ["MASTER_PORT"]) < 40000
+    lo, hi = launch._port_window()
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and lo <= int(os.environ["MASTER_PORT"]) < hi
 
 
 EXIT_RACE = '''

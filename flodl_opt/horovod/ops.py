@@ -5,8 +5,10 @@ Every call first exchanges a small fixed-size signature (kind, dtype, device, sh
 name, scale factors, whether it needs a gradient) with one ``all_gather``, then moves the data.
 So ranks that disagree get a ``CollectiveMismatchError`` on every rank instead of a crash inside
 Gloo, a hang or silently wrong numbers, and a rank inside ``join()`` learns what its peers reduce
-and answers with a neutral contribution. The extra round costs one tiny collective per call: these
-functions are for metrics and other small tensors (``DistributedOptimizer`` does not use them).
+and answers with a neutral contribution. Calls pair across ranks by call order, not by name as in
+Horovod (the package docstring, ``flodl_opt/horovod/__init__.py``, says why): a reordered pair of
+named calls raises on every rank, naming both. The extra round costs one tiny collective per call:
+these functions are for metrics and other small tensors (``DistributedOptimizer`` does not use them).
 
 Example::
 
@@ -22,46 +24,28 @@ from __future__ import annotations
 
 import itertools
 import math
-import struct
-import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import launch
-from .errors import CollectiveMismatchError, ConfigError
-from .horovod import (Average, Compression, Max, Min, Product, ReduceOp, Sum, _comm_device, _group_size,
-                      _op)
+from ..errors import ConfigError
+from .common import (_ALLGATHER, _ALLREDUCE, _ARG, _BARRIER, _BROADCAST, _DIMS, _DTYPE, _DTYPES, _JOIN,
+                     _KIND, _KIND_NAMES, _OPS, _ROUNDS, Average, Compression, Max, Min, Product, ReduceOp,
+                     Sum, _Agreement, _Call, _comm_device, _exchange, _group_size, _negotiate, _op,
+                     _sig_numel)
 
 __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize", "join",
     "barrier", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_",
+    "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
 ]
 
-# ---------------------------------------------------------------- the signature
-_ALLREDUCE, _ALLGATHER, _BROADCAST, _BARRIER, _JOIN = 1, 2, 3, 4, 5
-_KIND_NAMES = {_ALLREDUCE: "allreduce", _ALLGATHER: "allgather", _BROADCAST: "broadcast",
-               _BARRIER: "barrier", _JOIN: "join"}
-_OPS: List[ReduceOp] = [Average, Sum, Min, Max, Product]
+# ---------------------------------------------------------------- staging
 _TORCH_OP = {"Sum": dist.ReduceOp.SUM, "Average": dist.ReduceOp.SUM, "Min": dist.ReduceOp.MIN,
              "Max": dist.ReduceOp.MAX, "Product": dist.ReduceOp.PRODUCT}
-_DTYPES: List[torch.dtype] = [d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
-    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-    getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None),
-    getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d is not None]
-_DEVICES = {"cpu": 0, "cuda": 1}
-
-# Field positions in the signature (int64 each).
-_MAGIC, _KIND, _DTYPE, _DEVICE, _ARG, _GRAD, _NAME, _PRE, _POST, _ROUNDS, _ERR, _NDIM = range(12)
-_DIMS, _NDIMS_KEPT = 12, 11          # the first 11 dims verbatim (enough to rebuild the numel) ...
-_TAIL, _HASH = _DIMS + _NDIMS_KEPT, _DIMS + _NDIMS_KEPT + 1   # ... the product of the rest, a hash
-_SIG_LEN = _HASH + 1
-_MAGIC_VALUE = 0x464C4F44  # a misaligned collective shows up as a bad magic, not as a shape error
 
 # Gloo has no kernels for these: reductions run in int64, gathers and broadcasts move raw bytes.
 _INT_STAGED = {d for d in (torch.int16, getattr(torch, "uint16", None), getattr(torch, "uint32", None))
@@ -69,161 +53,6 @@ _INT_STAGED = {d for d in (torch.int16, getattr(torch, "uint16", None), getattr(
 _BYTES_ONLY = {d for d in (torch.int16, getattr(torch, "uint16", None), getattr(torch, "uint32", None),
                            getattr(torch, "uint64", None), getattr(torch, "float8_e4m3fn", None),
                            getattr(torch, "float8_e5m2", None)) if d is not None}
-
-
-def _bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
-
-
-def _name_code(name: Optional[str]) -> int:
-    return -1 if name is None else zlib.crc32(str(name).encode())
-
-
-def _numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
-@dataclass
-class _Call:
-    """What this rank asks for; ``error`` is a refusal of its own arguments (sent, then raised)."""
-
-    kind: int
-    name: Optional[str] = None
-    dtype: Optional[torch.dtype] = None
-    device: str = "cpu"
-    shape: Tuple[int, ...] = ()
-    arg: int = 0                     # op index (allreduce) or root rank (broadcast)
-    grad: bool = False
-    pre: float = 1.0
-    post: float = 1.0
-    rounds: int = 0                  # join: rounds served so far
-    error: Optional[str] = None
-
-    def encode(self) -> List[int]:
-        sig = [0] * _SIG_LEN
-        sig[_MAGIC], sig[_KIND], sig[_ARG], sig[_GRAD] = _MAGIC_VALUE, self.kind, self.arg, int(self.grad)
-        sig[_DTYPE] = _DTYPES.index(self.dtype) + 1 if self.dtype in _DTYPES else 0
-        sig[_DEVICE] = _DEVICES.get(self.device, 2)
-        sig[_NAME], sig[_PRE], sig[_POST] = _name_code(self.name), _bits(self.pre), _bits(self.post)
-        sig[_ROUNDS], sig[_ERR], sig[_NDIM] = self.rounds, int(self.error is not None), len(self.shape)
-        for i, d in enumerate(self.shape[:_NDIMS_KEPT]):
-            sig[_DIMS + i] = d
-        sig[_TAIL] = _numel(self.shape[_NDIMS_KEPT:])
-        sig[_HASH] = zlib.crc32(repr(tuple(self.shape[1:])).encode())
-        return sig
-
-
-def _sig_shape(sig: List[int]) -> List[int]:
-    kept = sig[_DIMS:_DIMS + min(sig[_NDIM], _NDIMS_KEPT)]
-    return kept + ([f"...x{sig[_TAIL]}"] if sig[_NDIM] > _NDIMS_KEPT else [])  # type: ignore[list-item]
-
-
-def _sig_numel(sig: List[int]) -> int:
-    return _numel(sig[_DIMS:_DIMS + min(sig[_NDIM], _NDIMS_KEPT)]) * sig[_TAIL]
-
-
-def _describe(sig: List[int]) -> str:
-    if sig[_MAGIC] != _MAGIC_VALUE:
-        return "another collective (not a flodl_opt allreduce/allgather/broadcast)"
-    kind = _KIND_NAMES.get(sig[_KIND], "?")
-    if sig[_ERR]:
-        return f"{kind} with arguments it refused (see its own error)"
-    if sig[_KIND] in (_JOIN, _BARRIER):
-        return f"{kind}()"
-    dtype = _DTYPES[sig[_DTYPE] - 1] if sig[_DTYPE] else "unsupported dtype"
-    dev = {v: k for k, v in _DEVICES.items()}.get(sig[_DEVICE], "other device")
-    parts = [f"{str(dtype).replace('torch.', '')}{_sig_shape(sig)} on {dev}"]
-    if sig[_KIND] == _ALLREDUCE:
-        parts.append(f"op={_OPS[sig[_ARG]].name}")
-        pre, post = (struct.unpack("<d", struct.pack("<q", sig[k]))[0] for k in (_PRE, _POST))
-        if (pre, post) != (1.0, 1.0):
-            parts.append(f"prescale={pre:g}, postscale={post:g}")
-    if sig[_KIND] == _BROADCAST:
-        parts.append(f"root_rank={sig[_ARG]}")
-    parts.append("name=<none>" if sig[_NAME] == -1 else f"name hash {sig[_NAME]:08x}")
-    if sig[_GRAD]:
-        parts.append("requires grad")
-    return f"{kind}({', '.join(parts)})"
-
-
-@dataclass
-class _Agreement:
-    """The verdict every rank computes alike from the gathered signatures."""
-
-    sigs: List[List[int]]
-    active: List[int]                # ranks running the collective (not inside join())
-    joined: List[int]
-    error: Optional[str] = None      # set: every active rank raises it, joined ranks skip the round
-
-    @property
-    def ref(self) -> List[int]:
-        return self.sigs[self.active[0]]
-
-
-def _same(kind: int, a: List[int], b: List[int]) -> bool:
-    keys = [_MAGIC, _KIND, _DTYPE, _DEVICE, _ARG, _GRAD, _NAME, _PRE, _POST, _NDIM, _TAIL, _HASH]
-    if kind == _ALLREDUCE or kind == _BROADCAST:
-        keys += list(range(_DIMS, _DIMS + _NDIMS_KEPT))
-    elif kind == _ALLGATHER:  # the first dim may differ
-        keys += list(range(_DIMS + 1, _DIMS + _NDIMS_KEPT))
-    else:
-        keys = [_MAGIC, _KIND]
-    return all(a[k] == b[k] for k in keys)
-
-
-def _judge(sigs: List[List[int]]) -> _Agreement:
-    n = len(sigs)
-    bad_magic = [r for r, s in enumerate(sigs) if s[_MAGIC] != _MAGIC_VALUE]
-    if bad_magic:  # not our signature at all: the ranks' collectives are out of step
-        return _Agreement(sigs, list(range(n)), [],
-                          f"ranks {bad_magic} are not in the same collective (their calls are out of "
-                          "step: every rank must call the same collectives in the same order)")
-    joined = [r for r, s in enumerate(sigs) if s[_KIND] == _JOIN]
-    active = [r for r in range(n) if r not in joined]
-    agreement = _Agreement(sigs, active, joined)
-    if not active:
-        return agreement
-    refused = [r for r in active if sigs[r][_ERR]]
-    if refused:
-        agreement.error = (f"rank(s) {refused} refused the arguments of their "
-                           f"{_KIND_NAMES.get(sigs[refused[0]][_KIND], '?')} call (see their error)")
-        return agreement
-    ref = sigs[active[0]]
-    for r in active[1:]:
-        if not _same(ref[_KIND], ref, sigs[r]):
-            agreement.error = (f"ranks called different collectives: rank {active[0]}: "
-                               f"{_describe(ref)}; rank {r}: {_describe(sigs[r])}")
-            return agreement
-    kind = ref[_KIND]
-    if kind == _BROADCAST and not 0 <= ref[_ARG] < n:
-        agreement.error = f"root_rank={ref[_ARG]} is outside the group of {n} ranks"
-    elif joined and kind in (_ALLGATHER, _BROADCAST):
-        agreement.error = (f"rank(s) {joined} already called join(): while a rank is joined only "
-                           "allreduce (and barrier) can run, as in Horovod")
-    return agreement
-
-
-def _exchange(call: _Call, group) -> _Agreement:
-    """One all_gather of every rank's signature, then the shared verdict."""
-    dev = _comm_device()
-    mine = torch.tensor(call.encode(), dtype=torch.int64, device=dev)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    return _judge(torch.stack(parts).tolist())
-
-
-def _negotiate(call: _Call, group) -> _Agreement:
-    """Exchange signatures; raise on every active rank unless all agree."""
-    agreement = _exchange(call, group)
-    if call.error is not None:
-        raise ConfigError(call.error)
-    if agreement.error is not None:
-        what = _KIND_NAMES.get(call.kind, "collective")
-        raise CollectiveMismatchError(
-            f"{what}{f' {call.name!r}' if call.name is not None else ''}: {agreement.error}. Every "
-            "rank must pass the same name, dtype, device and shape (allgather: all but the first dim), "
-            "the same op/scale factors (allreduce) and the same root_rank (broadcast).")
-    return agreement
 
 
 # ---------------------------------------------------------------- handles
@@ -522,17 +351,19 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
 
 
 # ---------------------------------------------------------------- grouped allreduce
-def _group_names(tensors: Sequence[torch.Tensor], name: Optional[str], group) -> List[str]:
+def _group_names(tensors: Sequence[torch.Tensor], name: Optional[str], group,
+                 kind: int = _ALLREDUCE) -> List[str]:
     """One name per tensor; the group size is in every name, so ranks passing lists of different
     lengths disagree on the first tensor's signature (every rank raises) instead of pairing the
     extra tensor with whatever collective a peer calls next."""
+    what = f"grouped_{_KIND_NAMES[kind]}"
     if not isinstance(tensors, (list, tuple)) or not tensors:
-        error = (f"grouped_allreduce takes a non-empty list or tuple of tensors, got "
+        error = (f"{what} takes a non-empty list or tuple of tensors, got "
                  f"{type(tensors).__name__}{' (empty)' if isinstance(tensors, (list, tuple)) else ''}")
         if _group_size(group) > 1:
-            _negotiate(_Call(_ALLREDUCE, name, error=error), group)
+            _negotiate(_Call(kind, name, error=error), group)
         raise ConfigError(error)
-    base = "grouped_allreduce" if name is None else str(name)
+    base = what if name is None else str(name)
     return [f"{base}[{i}/{len(tensors)}]" for i in range(len(tensors))]
 
 
@@ -636,7 +467,11 @@ def _start_allgather(tensor: torch.Tensor, name: Optional[str], group,
 
 
 class _AllgatherFn(torch.autograd.Function):
-    """allgather with a gradient: this rank's rows of the gradient summed over ranks."""
+    """allgather with a gradient: this rank's rows of the gradient averaged over ranks.
+
+    Averaged, not summed, as in Horovod's ``HorovodAllgather.backward``: a ported script's
+    gradients (and learning rates tuned for them) stay what they were under Horovod.
+    """
 
     @staticmethod
     def forward(ctx, tensor, name, group):  # type: ignore[override]
@@ -647,9 +482,9 @@ class _AllgatherFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        summed = allreduce(grad, op=Sum, process_group=ctx.group)
+        mean = allreduce(grad, op=Average, process_group=ctx.group)
         start = sum(ctx.counts[:ctx.rank])
-        return summed.narrow(0, start, ctx.counts[ctx.rank]).reshape(ctx.shape), None, None
+        return mean.narrow(0, start, ctx.counts[ctx.rank]).reshape(ctx.shape), None, None
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_group=None) -> int:
@@ -662,8 +497,8 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_group=No
     """Every rank's ``tensor`` concatenated along dim 0, in rank order.
 
     First dims may differ; every other dim and the dtype must match (or every rank raises
-    ``CollectiveMismatchError``). Differentiable: the gradient is this rank's rows of the
-    gradient summed over ranks.
+    ``CollectiveMismatchError``). Differentiable, as in Horovod: the gradient is this rank's
+    rows of the gradient averaged over ranks (not summed).
 
     Example::
 
@@ -673,6 +508,35 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_group=No
     if torch.is_grad_enabled() and tensor.requires_grad:
         return _AllgatherFn.apply(tensor, name, process_group)
     return synchronize(allgather_async(tensor, name, process_group))
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_group=None) -> int:
+    """Start an allgather of every tensor of the list; ``synchronize`` returns the list of results."""
+    names = _group_names(tensors, name, process_group, _ALLGATHER)
+    subs: List[int] = []
+    try:
+        for t, n in zip(tensors, names):
+            subs.append(allgather_async(t, n, process_group))
+    except BaseException:
+        for h in subs:  # every rank started these: finish them so the group stays in step
+            synchronize(h)
+        raise
+    works = [w for h in subs for w in _handles[h].works]
+    return _submit(works, lambda: [synchronize(h) for h in subs], None)  # type: ignore[arg-type,return-value]
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_group=None) -> List[torch.Tensor]:
+    """Horovod's ``grouped_allgather``: ``allgather`` of each tensor of the list (each with its
+    guarantees and its gradient), one after another.
+
+    Example::
+
+        preds, labels = hvd.grouped_allgather([preds, labels], name="eval")
+    """
+    names = _group_names(tensors, name, process_group, _ALLGATHER)
+    return [allgather(t, n, process_group) for t, n in zip(tensors, names)]
 
 
 # ---------------------------------------------------------------- broadcast
@@ -712,7 +576,8 @@ def _start_broadcast(tensor: torch.Tensor, out: torch.Tensor, root_rank: int, na
 
 
 class _BroadcastFn(torch.autograd.Function):
-    """broadcast with a gradient: the gradients summed over ranks land on root (zero elsewhere)."""
+    """broadcast with a gradient: the gradients averaged over ranks land on root (zero elsewhere),
+    as in Horovod's ``HorovodBroadcast.backward``."""
 
     @staticmethod
     def forward(ctx, tensor, root_rank, name, group):  # type: ignore[override]
@@ -722,11 +587,11 @@ class _BroadcastFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        summed = allreduce(grad, op=Sum, process_group=ctx.group)
+        mean = allreduce(grad, op=Average, process_group=ctx.group)
         me = dist.get_rank(ctx.group) if _group_size(ctx.group) > 1 else 0
         if me != ctx.root:
-            summed.zero_()
-        return summed, None, None, None
+            mean.zero_()
+        return mean, None, None, None
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = None,
@@ -756,7 +621,8 @@ def broadcast(tensor: torch.Tensor, root_rank: int = 0, name: Optional[str] = No
     """Root's value of ``tensor``, in a new tensor (``tensor`` is not modified).
 
     The same shape and dtype on every rank, and the same ``root_rank``, or every rank raises
-    ``CollectiveMismatchError``. Differentiable: root's gradient is the sum of every rank's.
+    ``CollectiveMismatchError``. Differentiable, as in Horovod: root's gradient is the average
+    of every rank's gradient (not the sum), the other ranks' is zero.
 
     Example::
 

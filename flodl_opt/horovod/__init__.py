@@ -17,7 +17,30 @@ A Horovod script runs with renames only (``import flodl_opt as hvd``)::
 
 ``DistributedOptimizer`` averages gradients before every inner step, bucket by bucket while
 backward still runs (a persistent flat buffer per gradient dtype, each ``p.grad`` a view of it;
-``flodl_opt/grad_buckets.py``), not one collective per parameter. Swapping it for ``LocalSGDOptimizer`` is the one-argument change to local SGD.
+``flodl_opt/grad_buckets.py``), not one collective per parameter. Swapping it for
+``LocalSGDOptimizer`` is the one-argument change to local SGD.
+
+Layout: this module is the API (``DistributedOptimizer``, the broadcasts, the object collectives);
+``flodl_opt/horovod/ops.py`` holds the raw collectives (``allreduce``, ``allgather``, ``broadcast``,
+their ``_async`` forms, ``join``, ``barrier``), re-exported here; ``flodl_opt/horovod/common.py`` what
+both use (reduction ops, compression, the signature round).
+
+Matching across ranks: by call order, not by name. Horovod pairs collectives by name (its
+background thread waits until every rank has submitted a tensor of that name, so named async calls
+may be issued in different orders on different ranks). Here every collective of this package, the
+object collectives, broadcasts and ``DistributedOptimizer``'s build included, first exchanges a small
+signature (kind, name, dtype, shape, op, root); the n-th call of one rank pairs with the n-th call of
+every other, and if any of that differs, names included, every rank raises
+``CollectiveMismatchError`` at once, printing both calls (``allreduce(..., name='loss')`` against
+``allreduce(..., name='acc')``), never a hang, a crash inside Gloo or a silent sum of two different
+tensors. A script that issues its collectives in the same order on every rank (almost every script)
+runs unchanged; one that relies on name matching to reorder them must issue them in one order. Call
+order keeps the training loop's thread the only one that touches the process group (no background
+thread to race the optimizer's own collectives).
+
+Gradients through the collectives are Horovod's: ``allreduce``'s is the allreduce of the gradient
+(same op and scale factors); ``allgather``'s is this rank's rows of the gradient averaged over ranks;
+``broadcast``'s is the gradient averaged over ranks on root and zero elsewhere.
 """
 from __future__ import annotations
 
@@ -30,120 +53,34 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
-from . import launch
-from .wrapping import WrappedOptimizer, check_same_on_every_rank
-from .errors import ConfigError
-from .flat import unique
-from .grad_buckets import DEFAULT_BUCKET_BYTES, BucketReducer, GradBuffer
+from .. import launch
+from ..wrapping import WrappedOptimizer, check_same_on_every_rank
+from ..errors import ConfigError
+from ..flat import unique
+from ..grad_buckets import DEFAULT_BUCKET_BYTES, BucketReducer, GradBuffer
+from .common import (_ALLGATHER_OBJECT, _BROADCAST_OBJECT, _BROADCAST_OPTIMIZER_STATE, _BROADCAST_PARAMETERS,
+                     _DISTRIBUTED_OPTIMIZER, Adasum, Average, Compression, Compressor, Max, Min, Product,
+                     ReduceOp, Sum, _agree, _comm_device, _global_rank, _group_size, _op, check_call)
+from .ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_,
+                  barrier, broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
+                  grouped_allgather_async, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                  grouped_allreduce_async_, join, poll, synchronize)
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "DistributedOptimizer", "allgather_object",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+    "nccl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "cuda_built", "rocm_built", "ccl_built", "ddl_built",
+    # the raw collectives, from flodl_opt/horovod/ops.py
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize", "join",
+    "barrier", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
 ]
-# The raw collectives (allreduce, allgather, broadcast, their _async forms, join, barrier) live in
-# flodl_opt/collectives.py.
 
 
-# ---------------------------------------------------------------- reduction ops
-class ReduceOp:
-    """A reduction for ``allreduce`` and ``DistributedOptimizer(op=...)`` (Horovod's names)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"flodl_opt.{self.name}"
-
-    def __reduce__(self):  # pickles as the module-level singleton
-        return self.name
-
-
-Average = ReduceOp("Average")
-Sum = ReduceOp("Sum")
-Min = ReduceOp("Min")
-Max = ReduceOp("Max")
-Product = ReduceOp("Product")
-Adasum = ReduceOp("Adasum")  # named so Horovod scripts import; rejected with a clear message
-
-_TORCH_OPS = {"Sum": dist.ReduceOp.SUM, "Average": dist.ReduceOp.SUM, "Min": dist.ReduceOp.MIN,
-              "Max": dist.ReduceOp.MAX, "Product": dist.ReduceOp.PRODUCT}
-
-
-def _op(op: Optional[ReduceOp], average: Optional[bool] = None) -> ReduceOp:
-    if op is None:
-        return Average if average is None or average else Sum
-    if average is not None:
-        raise ConfigError("pass either op= or the deprecated average=, not both")
-    if not isinstance(op, ReduceOp):
-        raise ConfigError(f"op must be flodl_opt.Average, Sum, Min, Max or Product, got {op!r}")
-    if op is Adasum:
-        raise ConfigError("Adasum is not supported: use op=flodl_opt.Average (the default), or "
-                          "LocalSGDOptimizer for communication-efficient training")
-    return op
-
-
-# ---------------------------------------------------------------- compression
-class Compressor:
-    """Gradient compression on the wire: reduce in ``wire_dtype`` instead of the gradient's dtype."""
-
-    wire_dtype: Optional[torch.dtype] = None
-
-    def __init__(self, name: str, wire_dtype: Optional[torch.dtype]):
-        self.name, self.wire_dtype = name, wire_dtype
-
-    def __repr__(self) -> str:
-        return f"flodl_opt.Compression.{self.name}"
-
-    def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-        """Horovod's interface: ``(tensor on the wire, ctx for decompress)``; others pass through."""
-        if self.wire_dtype is None or tensor.dtype not in (torch.float32, torch.float64):
-            return tensor, None
-        return tensor.to(self.wire_dtype), tensor.dtype
-
-    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Back to the dtype ``compress`` saw (``ctx``)."""
-        return tensor if ctx is None else tensor.to(ctx)
-
-
-class Compression:
-    """Horovod's ``Compression.none`` / ``Compression.fp16`` (float32/64 grads reduced in float16).
-
-    ``Compression.fp16.compress(t)`` returns ``(t.half(), t.dtype)`` for float32/64 tensors (any other
-    dtype passes through) and ``decompress(t, ctx)`` casts back, as in Horovod.
-    """
-
-    none = Compressor("none", None)
-    fp16 = Compressor("fp16", torch.float16)
-
-
-# ---------------------------------------------------------------- small collective helpers
-def _group_size(group) -> int:
-    launch.ensure_init()
-    if launch.size() == 1:
-        return 1
-    return dist.get_world_size(group)
-
-
-def _global_rank(group, rank: int) -> int:
-    size = dist.get_world_size(group)
-    if not 0 <= rank < size:
-        raise ConfigError(f"root_rank={rank} is outside the group of {size} ranks")
-    return dist.get_global_rank(group, rank) if group is not None else rank
-
-
-def _comm_device() -> torch.device:
-    """Where host-side helpers stage tensors for a collective: NCCL needs CUDA, Gloo takes CPU."""
-    return launch.device() if launch.backend() == "nccl" else torch.device("cpu")
-
-
-def _agree(ok: bool, group) -> bool:
-    """True on every rank iff ``ok`` on every rank (one tiny MIN), so a bad rank fails them all."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_comm_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
+# ---------------------------------------------------------------- fused tensor broadcast
 def _wire_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
@@ -177,14 +114,24 @@ def _broadcast_into(targets: Sequence[torch.Tensor], root: int, group) -> None:
 
 
 # ---------------------------------------------------------------- object collectives and broadcasts
+# Each public call below first runs the signature round (common.check_call), like the raw
+# collectives: a rank that calls another collective meanwhile makes every rank raise at once.
 def allgather_object(obj: Any, name: Optional[str] = None, process_group=None) -> List[Any]:
     """Every rank's ``obj`` (picklable), as a list in rank order."""
     n = _group_size(process_group)
     if n == 1:
         return [obj]
+    check_call(_ALLGATHER_OBJECT, process_group, name)
     out: List[Any] = [None] * n
     dist.all_gather_object(out, obj, group=process_group)
     return out
+
+
+def _send_object(obj: Any, root: int, group) -> Any:
+    """Root's ``obj`` on every rank (``root`` a global rank); no signature round of its own."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=root, group=group)
+    return box[0]
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None,
@@ -197,9 +144,8 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = 
     """
     if _group_size(process_group) == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=_global_rank(process_group, root_rank), group=process_group)
-    return box[0]
+    check_call(_BROADCAST_OBJECT, process_group, name, root_rank)
+    return _send_object(obj, _global_rank(process_group, root_rank), process_group)
 
 
 def _named_tensors(params) -> List[Tuple[str, torch.Tensor]]:
@@ -236,10 +182,15 @@ def broadcast_parameters(params, root_rank: int = 0, process_group=None) -> None
     """
     if _group_size(process_group) == 1:
         return
+    named, error = [], None
+    try:
+        named = _named_tensors(params)
+    except ConfigError as e:  # refused on every rank, in the signature round
+        error = str(e)
+    check_call(_BROADCAST_PARAMETERS, process_group, root_rank=root_rank, error=error)
     root = _global_rank(process_group, root_rank)
-    named = _named_tensors(params)
     mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
-    theirs = broadcast_object(mine, root_rank, process_group=process_group)
+    theirs = _send_object(mine, root, process_group)
     ok = mine == theirs
     if not _agree(ok, process_group):
         diff = "" if ok else _first_difference(mine, theirs)
@@ -300,7 +251,7 @@ def _fill(obj: Any, tensors: Sequence[torch.Tensor]) -> Any:
 
 
 def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    from .optimizer import LocalSGDOptimizer
+    from ..optimizer import LocalSGDOptimizer
     if isinstance(optimizer, (LocalSGDOptimizer, DistributedOptimizer)):
         return optimizer.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -308,7 +259,7 @@ def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, model=None,
                               process_group=None) -> None:
     """Give every rank root's optimizer state and hyperparameters.
 
@@ -319,18 +270,45 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     receives root's. Works on plain torch optimizers and on flodl_opt's wrappers (their inner
     optimizer).
 
+    As after Horovod's version, on a rank whose optimizer had no state yet every parameter that
+    requires a gradient and has none gets a zero gradient (sparse for ``SparseAdam``, and for
+    ``SGD`` on the sparse embeddings of ``model``), so code that reads ``p.grad`` right after it
+    runs unchanged; the next backward adds to it as to ``None``.
+
     Example::
 
         flo.broadcast_optimizer_state(opt, root_rank=0)   # e.g. after rank 0 loaded a checkpoint
     """
-    inner = _inner_optimizer(optimizer)
-    if _group_size(process_group) == 1:
-        return
+    inner, error = None, None
+    try:
+        inner = _inner_optimizer(optimizer)
+    except ConfigError as e:  # refused on every rank, in the signature round
+        error = str(e)
+    n = _group_size(process_group)
+    if n == 1 and error is not None:
+        raise ConfigError(error)
+    had_state = inner is not None and len(inner.state) > 0
+    if n > 1:
+        check_call(_BROADCAST_OPTIMIZER_STATE, process_group, root_rank=root_rank, error=error)
+        _receive_optimizer_state(inner, root_rank, process_group)
+    if not had_state:
+        _zero_missing_grads(inner, model)
+
+
+def _receive_optimizer_state(inner: torch.optim.Optimizer, root_rank: int, process_group) -> None:
     root = _global_rank(process_group, root_rank)
     is_root = dist.get_rank() == root
     tensors: List[torch.Tensor] = []
-    skeleton = _strip(inner.state_dict(), tensors) if is_root else None
-    skeleton = broadcast_object(skeleton, root_rank, process_group=process_group)
+    skeleton: Any = None
+    if is_root:
+        try:
+            skeleton = _strip(inner.state_dict(), tensors)
+        except Exception as e:  # noqa: BLE001 - sent to every rank (a str), raised there
+            skeleton = f"{type(e).__name__}: {e}"
+    skeleton = _send_object(skeleton, root, process_group)
+    if isinstance(skeleton, str):
+        raise ConfigError(f"broadcast_optimizer_state: root rank {root_rank} could not read its "
+                          f"optimizer's state_dict(): {skeleton}")
     layout = [len(g["params"]) for g in inner.param_groups]
     root_layout = [len(g["params"]) for g in skeleton["param_groups"]]
     if not _agree(layout == root_layout, process_group):
@@ -353,6 +331,22 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not _agree(error is None, process_group):
         raise ConfigError(f"broadcast_optimizer_state: loading root's state failed"
                           f"{f' here: {error}' if error else ' on another rank'}") from error
+
+
+def _zero_missing_grads(inner: torch.optim.Optimizer, model) -> None:
+    """Horovod's broadcast_optimizer_state leaves a zero ``.grad`` on every parameter that requires
+    one (its zero-gradient step creates them); scripts read them right after (e.g. to broadcast)."""
+    sparse_ids = set()
+    if model is not None and isinstance(inner, torch.optim.SGD):
+        sparse_ids = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse
+                      for p in m.parameters()}
+    with torch.no_grad():
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    grad = torch.zeros_like(p)
+                    sparse = isinstance(inner, torch.optim.SparseAdam) or id(p) in sparse_ids
+                    p.grad = grad.to_sparse(min(1, grad.dim())) if sparse else grad
 
 
 # ---------------------------------------------------------------- DistributedOptimizer
@@ -383,7 +377,8 @@ class DistributedOptimizer(WrappedOptimizer):
         op: ``Average`` (default) or ``Sum``.
         gradient_predivide_factor: with ``Average``, scale by ``1/f`` before the sum and by
             ``f/n`` after it (guards low-precision sums against overflow).
-        sparse_as_dense: densify sparse gradients instead of refusing them.
+        sparse_as_dense: densify sparse gradients instead of refusing them (a ``SparseAdam``
+            gets the averaged gradients back as sparse tensors, as in Horovod).
         process_group: the group to average over (default: the world).
         bucket_bytes: gradient bytes per collective (Horovod's fusion threshold; DDP's
             ``bucket_cap_mb``). Default 25 MiB, as DDP (see BENCHMARKS.md); the first bucket is
@@ -415,12 +410,12 @@ class DistributedOptimizer(WrappedOptimizer):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True, sparse: Any = False):
         if sparse:
             raise ConfigError("DistributedOptimizer(sparse=True) (Horovod's allgather of sparse gradients) is "
-                              "not supported: pass sparse_as_dense=True to average them densely (not with "
-                              "SparseAdam, which needs sparse gradients)")
+                              "not supported: pass sparse_as_dense=True to average them densely (SparseAdam "
+                              "then gets the averages back as sparse gradients)")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"DistributedOptimizer wraps a built torch.optim.Optimizer, got "
                               f"{type(optimizer).__name__}")
-        from .optimizer import LocalSGDOptimizer
+        from ..optimizer import LocalSGDOptimizer
         if isinstance(optimizer, (DistributedOptimizer, LocalSGDOptimizer)):
             raise ConfigError("the optimizer is already wrapped by flodl_opt; wrap the inner optimizer once")
         op = _op(op)
@@ -441,6 +436,16 @@ class DistributedOptimizer(WrappedOptimizer):
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ConfigError(f"bucket_bytes must be an int >= 1 (bytes of gradients per collective, "
                               f"e.g. 25 * 2**20), got {bucket_bytes!r}")
+        params = [p for p in unique(p for g in optimizer.param_groups for p in g["params"]) if p.requires_grad]
+        names_error = None
+        try:
+            names = _param_names(params, named_parameters)
+        except ConfigError as e:
+            # Before init (no group to tell) or alone: here, as Horovod does. Else every rank
+            # raises in the signature round below, instead of the peers waiting for this one.
+            if not launch.is_initialized() or _group_size(process_group) == 1:
+                raise
+            names, names_error = [f"param #{i}" for i in range(len(params))], str(e)
         launch.ensure_init()
 
         # Share the inner optimizer's param_groups and state (flodl_opt/wrapping.py).
@@ -454,9 +459,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self.process_group = process_group
         self.bucket_bytes, self.overlap = bucket_bytes, bool(overlap)
         self._size = _group_size(process_group)
-        self._params = [p for p in unique(p for g in optimizer.param_groups for p in g["params"])
-                        if p.requires_grad]
-        self._names = _param_names(self._params, named_parameters)
+        self._params, self._names = params, names
         self._should_synchronize = True
         self._synchronized = False
         self._joined = False
@@ -466,7 +469,15 @@ class DistributedOptimizer(WrappedOptimizer):
         self._buffers: List[GradBuffer] = []
         self._reducer: Optional[BucketReducer] = None
         if self._size > 1:
-            slots = self._build_buffers()
+            slots, error = None, names_error
+            if error is None:
+                try:
+                    slots = self._build_buffers()
+                except ConfigError as e:
+                    error = str(e)
+            # A signature round first, as every collective of this package: a peer in another
+            # collective makes both raise here instead of aborting inside Gloo.
+            check_call(_DISTRIBUTED_OPTIMIZER, process_group, error=error)
             self._check_same_everywhere()
             self._reducer = BucketReducer(self._buffers, self._params, slots, process_group,
                                           backward_passes_per_step,
@@ -521,6 +532,7 @@ class DistributedOptimizer(WrappedOptimizer):
             self._too_many_here = max(self._reducer.passes, default=0)
             count = self._reduce(contribute=True, too_many=too_many)
             self._check_passes(count, too_many)
+            self._sparse_for_inner()
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -583,6 +595,7 @@ class DistributedOptimizer(WrappedOptimizer):
                 if n == 0:
                     break
                 rounds += 1
+                self._sparse_for_inner()
                 self.optimizer.step()
         finally:
             self._joined = False
@@ -594,7 +607,21 @@ class DistributedOptimizer(WrappedOptimizer):
         last = int(key.item()) % self._size
         _broadcast_into(self._params, _global_rank(self.process_group, last), self.process_group)
 
+    @property
+    def _parameter_names(self) -> Dict[torch.Tensor, str]:
+        """Horovod's ``{param: name}`` map (its private attribute, read by some scripts)."""
+        return {p: n for p, n in zip(self._params, self._names)}
+
     # ------------------------------------------------------------ internals
+    def _sparse_for_inner(self) -> None:
+        """SparseAdam takes sparse gradients only: after the dense average (``sparse_as_dense``)
+        hand it the averaged gradients back as sparse tensors, as Horovod does."""
+        if not isinstance(self.optimizer, torch.optim.SparseAdam):
+            return
+        for p in self._params:
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse(min(1, p.grad.dim()))
+
     def _build_buffers(self) -> list:
         """One GradBuffer per (device, dtype), laid out in reverse parameter order (backward's)."""
         by_key: "OrderedDict[Tuple[torch.device, torch.dtype], List[int]]" = OrderedDict()

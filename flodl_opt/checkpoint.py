@@ -250,6 +250,35 @@ def clean_stale_temp_files(path: PathLike, keep: Optional[str] = None) -> List[s
     return removed
 
 
+class _WriteErrors:
+    """The file, remembering the first OSError its ``write`` raised (a full disk, an I/O error)."""
+
+    def __init__(self, f):
+        self._f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def _serialize_naming_os_errors(obj: Any, f) -> None:
+    """``_serialize(obj, f)``; a failed write raises its OSError ("No space left on device"), not
+    the zip writer's own message for it ("unexpected pos ...")."""
+    sink = _WriteErrors(f)
+    try:
+        _serialize(obj, sink)
+    except Exception as exc:
+        if sink.error is not None and sink.error is not exc:
+            raise sink.error from exc
+        raise
+
+
 def atomic_save(obj: Any, path: PathLike, key: Optional[bytes] = None) -> None:
     """``torch.save`` to a temp file in the same directory, seal, fsync, rename over ``path``, fsync the dir.
 
@@ -266,7 +295,7 @@ def atomic_save(obj: Any, path: PathLike, key: Optional[bytes] = None) -> None:
         _lock(lock_fd)
         clean_stale_temp_files(path, keep=tmp)
         with os.fdopen(fd, "w+b") as f:
-            _serialize(obj, f)
+            _serialize_naming_os_errors(obj, f)
             _seal(f) if key is None else _seal(f, key)
             f.flush()
             os.fsync(f.fileno())

@@ -242,30 +242,15 @@ def _saved(tmp_path, **kw):
     return path
 
 
-class _Renamed(nn.Module):   # the same shapes as _build's model under other names
-    def __init__(self):
-        super().__init__()
-        self.lin, self.bn = nn.Linear(5, 3), nn.BatchNorm1d(3)
-
-    def forward(self, x):
-        return self.bn(self.lin(x))
-
-
 def _target(case):
     if case == "another sync_every":
         return _build(sync_every=3)
     if case == "another outer":
         return _build(outer=None)
-    if case == "another model shape":
-        return _build(width=4, outer=flo.DiLoCo(lr=0.7))
-    torch.manual_seed(0)
-    model = _Renamed()
-    return model, flo.LocalSGDOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model=model,
-                                        sync_every=2, outer=flo.DiLoCo(lr=0.7), stall_warning_s=None)
+    return _build(width=4, outer=flo.DiLoCo(lr=0.7))   # another model shape
 
 
-@pytest.mark.parametrize("case", ["another sync_every", "another outer", "another model shape",
-                                  "other key names, same shapes"])
+@pytest.mark.parametrize("case", ["another sync_every", "another outer", "another model shape"])
 def test_failed_load_leaves_model_optimizer_and_counters_bit_identical(tmp_path, case):
     path = _saved(tmp_path, outer=flo.DiLoCo(lr=0.7))
     model, opt = _target(case)

@@ -618,24 +618,25 @@ class _Background:
         with contextlib.suppress(Exception):   # a store gone: the others say they could not learn it
             self.store.set(self.key, handle.describe_error() or "ok")
 
-    def outcome(self, bound_s: float) -> Optional[str]:
-        """The write's error (None when it succeeded), waiting at most ``bound_s`` for it."""
+    def outcome(self, bound_s: float) -> Tuple[Optional[str], Optional[str]]:
+        """``(error, doubt)``: the write's error (None when it succeeded), or why this rank could
+        not learn it (rank 0 gone, no word within ``bound_s``)."""
         if self.rank == 0:
             if self.handle._thread is not None:
                 self.handle._thread.join(bound_s)
             if not self.handle.done():
-                return f"writing {self.path} did not finish within {bound_s:.0f}s"
-            return self.handle.describe_error()
+                return f"writing {self.path} did not finish within {bound_s:.0f}s", None
+            return self.handle.describe_error(), None
         if self.store is None:
-            return None
+            return None, f"no store to learn from rank 0 whether writing {self.path} succeeded"
         try:
             self.store.wait([self.key], datetime.timedelta(seconds=bound_s))
             text = self.store.get(self.key).decode()
             self.store.add(self.key + "/read", 1)
         except Exception as exc:  # noqa: BLE001 - rank 0 (hosting the store) gone, or no answer in time
-            return (f"could not learn from rank 0 whether writing {self.path} succeeded "
-                    f"({type(exc).__name__}: {exc}); check that file")
-        return None if text == "ok" else f"{text} (on rank 0)"
+            return None, (f"could not learn from rank 0 whether writing {self.path} succeeded "
+                          f"({type(exc).__name__}: {exc}); rank 0 reports it; check that file")
+        return (None if text == "ok" else f"{text} (on rank 0)"), None
 
     def let_readers_read(self, bound_s: float) -> None:
         """Rank 0: stay until every other rank has read the outcome (rank 0 may host the store)."""
@@ -655,6 +656,7 @@ class _Background:
 
 
 _background: Optional[_Background] = None   # the last background write nothing reported yet
+_linger: Optional[_Background] = None        # rank 0: reported here, the other ranks may still read it
 _background_seq: Dict[Tuple[int, ...], int] = {}
 _exit_failure: Optional[str] = None   # reported at shutdown: exit non-zero unless something else failed
 _uncaught = False                     # an exception reached sys.excepthook: the exit status is already 1
@@ -690,20 +692,21 @@ def wait_checkpoint() -> None:
     On rank 0 it waits for the write itself; on another rank, for rank 0's word on it (through
     the process group's store, bounded by the group's timeout), so any rank may call it.
     """
-    global _pending, _background
+    global _pending, _background, _linger
     with _pending_lock:
         pending, _pending = _pending, None
     record = _background
     if pending is not None:
         if record is not None and record.handle is pending:
-            _background = None
+            _background, _linger = None, record   # the others read its outcome when they ask
         pending.wait()
         return
     if record is not None and record.rank != 0:
         _background = None
-        error = record.outcome(record.timeout_s)
-        if error is not None:
-            raise CheckpointWriteError(f"flodl_opt: the background checkpoint write failed: {error}")
+        error, doubt = record.outcome(record.timeout_s)
+        if error is not None or doubt is not None:
+            raise CheckpointWriteError(f"flodl_opt: the background checkpoint write failed: {error}"
+                                       if error is not None else f"flodl_opt: {doubt}")
 
 
 def finish_background() -> Optional[str]:
@@ -712,18 +715,24 @@ def finish_background() -> Optional[str]:
     Called by ``flo.shutdown()`` (before the process group goes) and at interpreter exit. Waits
     for rank 0's word (the group's timeout; a few seconds while an exception is propagating).
     """
-    global _background, _pending
-    record = _background
+    global _background, _pending, _linger
+    record, lingering = _background, _linger
+    _background = _linger = None
+    exiting_on_error = sys.exc_info()[0] is not None or _uncaught
+    if lingering is not None:
+        lingering.let_readers_read(_SHORT_WAIT_S if exiting_on_error else lingering.timeout_s)
     if record is None:
         return None
-    _background = None
     if record.rank == 0:
         with _pending_lock:
             if _pending is record.handle:
                 _pending = None
-    bound = _SHORT_WAIT_S if (sys.exc_info()[0] is not None or _uncaught) else record.timeout_s
-    error = record.outcome(bound)
+    bound = _SHORT_WAIT_S if exiting_on_error else record.timeout_s
+    error, doubt = record.outcome(bound)
     record.let_readers_read(bound)
+    if doubt is not None:   # not known to have failed: said, but no failure of this process
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"flodl_opt: WARNING: {doubt}\n")
     if error is None:
         return None
     return (f"the last background checkpoint write failed and nothing reported it: {error}. The "
@@ -809,7 +818,7 @@ def save_checkpoint(path: PathLike, model: nn.Module, opt: LocalSGDOptimizer,
     Raises ConfigError between syncs (``sync=False``) or for an ``extra`` that is not plain data;
     a write that failed raises on every rank; a failed collective raises CheckpointSyncError.
     """
-    global _pending, _background
+    global _pending, _background, _linger
     path = _check_args(path, model, opt)
     mac_key = _check_key(key)
     if sync:
@@ -823,13 +832,13 @@ def save_checkpoint(path: PathLike, model: nn.Module, opt: LocalSGDOptimizer,
     what, intact = f"save_checkpoint({path})", "the previous checkpoint is intact"
 
     # A failed background write must fail every rank, at the next save at the latest.
-    previous, error = _background, None
+    previous, error = _background or _linger, None
     if rank == 0:
         try:
             wait_checkpoint()
         except BaseException as exc:  # noqa: BLE001
             error = f"background checkpoint write failed: {type(exc).__name__}: {exc}"
-    _background = None   # its outcome is reported now, on every rank
+    _background = _linger = None   # its outcome is reported now, on every rank
     copy = background
     sd = opt.state_dict()
     outer = sd[STATE_KEY].pop("outer")

@@ -200,7 +200,7 @@ def state_digest(model, opt) -> str:
 
     def feed(obj) -> None:
         if torch.is_tensor(obj):
-            h.update(obj.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(obj.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         elif isinstance(obj, dict):
             for k in sorted(obj, key=repr):
                 h.update(repr(k).encode())

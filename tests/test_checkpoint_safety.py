@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fcntl
+import functools
 import os
 import pickle
 import shlex
@@ -470,7 +471,7 @@ def _peer_dies_in(rank, world, out, where, ckpt):
 @pytest.mark.parametrize("where", ["save", "load"])
 def test_peer_dying_in_a_checkpoint_collective_raises_sync_error(tmp_path, where):
     out, ckpt = str(tmp_path / "verdict.pt"), str(tmp_path / "c.pt")
-    r = survivor_verdict(_peer_dies_in, out, where, ckpt, timeout=90)
+    r = survivor_verdict(functools.partial(_peer_dies_in, where=where, ckpt=ckpt), out, timeout=90)
     assert r["msg"] != "no error", "the survivor raised no SyncError"
     assert r["type"] == "CheckpointSyncError" and r["rank"] == 0 and r["restored"], r
     assert f"{where}_checkpoint({ckpt}) failed on rank 0" in r["msg"] and "resume from the last checkpoint" in r["msg"]

@@ -292,7 +292,7 @@ _LAST_SAVE_FAILS = textwrap.dedent("""
     import os, sys, torch
     sys.path.insert(0, {root!r})
     import flodl_opt as flo
-    ckpt_dir, ending = sys.argv[1], sys.argv[2]
+    ckpt_dir, ending, simulate = sys.argv[1], sys.argv[2], sys.argv[3] == "simulate"
     flo.init(backend="gloo", timeout=60)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -303,6 +303,11 @@ _LAST_SAVE_FAILS = textwrap.dedent("""
         model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
         # The last save's extra (4 MiB) does not fit on a small filesystem: the disk is full.
         blob = torch.zeros(1 << 20) if step == 2 else None
+        if blob is not None and simulate:   # no small filesystem here: the writer fails as on one
+            from flodl_opt import checkpoint as ck
+            def disk_full(obj, f):
+                raise OSError(28, "No space left on device")
+            ck._serialize = disk_full
         flo.save_checkpoint(path, model, opt, extra={{"step": step + 1, "blob": blob}}, background=True)
     print("training done", flush=True)
     if ending == "shutdown":
@@ -317,7 +322,8 @@ _LAST_SAVE_FAILS = textwrap.dedent("""
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 512 KiB tmpfs (a real full disk) where this process may mount one, else None."""
+    """A 512 KiB tmpfs (a real full disk) where this process may mount one, else None (the
+    script then makes its writer fail with ENOSPC)."""
     where = tmp_path / "small"
     where.mkdir()
     try:
@@ -358,9 +364,11 @@ def _two_rank_script(tmp_path, script: str, args, timeout=120.0):
 
 @pytest.mark.parametrize("ending", ["interpreter exit", "shutdown", "shutdown, error swallowed"])
 def test_failed_last_background_save_is_reported_on_every_rank_and_exits_non_zero(tmp_path, small_disk, ending):
-    if small_disk is None:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    out = _two_rank_script(tmp_path, _LAST_SAVE_FAILS.format(root=ROOT), [small_disk, ending])
+    simulate = small_disk is None
+    if simulate:
+        small_disk = str(tmp_path / "ck")
+    out = _two_rank_script(tmp_path, _LAST_SAVE_FAILS.format(root=ROOT),
+                           [small_disk, ending, "simulate" if simulate else "real"])
     target = os.path.join(small_disk, "last.pt")
     for rank, (rc, text) in enumerate(out):
         assert "training done" in text, text[-3000:]
@@ -376,7 +384,7 @@ def test_failed_last_background_save_is_reported_on_every_rank_and_exits_non_zer
 def test_successful_last_background_save_exits_zero_silently(tmp_path):
     ending = "interpreter exit"   # the longest path: rank 0 stays until rank 1 has read its word
     ck = str(tmp_path / "ck")
-    out = _two_rank_script(tmp_path, _LAST_SAVE_FAILS.format(root=ROOT), [ck, ending])
+    out = _two_rank_script(tmp_path, _LAST_SAVE_FAILS.format(root=ROOT), [ck, ending, "real"])
     for rank, (rc, text) in enumerate(out):
         assert rc == 0 and "ERROR" not in text and "could not learn" not in text, text[-3000:]
     assert torch.load(os.path.join(ck, "last.pt"), weights_only=True)["ranks"][0]["extra"]["step"] == 3

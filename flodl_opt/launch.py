@@ -270,13 +270,26 @@ def _restart_isolated_store(info: LaunchInfo, timeout: datetime.timedelta):
 
 
 def shutdown() -> None:
-    """Leave the process group that ``init()`` created (a no-op if none)."""
+    """Leave the process group that ``init()`` created (a no-op if none).
+
+    First it waits for a background checkpoint write nothing has reported yet; if that write
+    failed, every rank raises ``CheckpointWriteError`` (naming the file and the cause) once the
+    group is gone, and the process exits non-zero even if the caller swallows it.
+    """
     global _world
+    from .checkpoint import CheckpointWriteError, shutdown_hook
+    failure: Optional[CheckpointWriteError] = None
+    try:
+        shutdown_hook()  # needs the group's store: before the group goes
+    except CheckpointWriteError as exc:
+        failure = exc
     if _world is not None and _world.owns_group and dist.is_initialized():
         from .stall import close_all
         close_all()  # their threads use the group's store, which goes away with the group
         dist.destroy_process_group()
     _world = None
+    if failure is not None:
+        raise failure
 
 
 def is_initialized() -> bool:

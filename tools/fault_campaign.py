@@ -1,7 +1,9 @@
 """Fault campaign: kill, hang, damage and poison a real training job at random, seeded points; count.
 
-    python tools/fault_campaign.py                       # the default campaign (35 trials)
+    python tools/fault_campaign.py                       # the default campaign (41 trials)
     python tools/fault_campaign.py --kills 6 --stops 2 --damages 3 --nans 1 --worlds 2   # a short one
+    python tools/fault_campaign.py --kills 0 --stops 0 --damages 0 --nans 0 --malicious 1 --badloads 1 \
+        --bgfails 1 --staletmps 1 --worlds 2 --steps 32                            # checkpoint safety only
     python tools/fault_campaign.py --json faults.json
 
 The job is tools/fault_job.py (the char-LM of examples/train_charlm.py, tiny), run by
@@ -20,6 +22,21 @@ The job is tools/fault_job.py (the char-LM of examples/train_charlm.py, tiny), r
 * nan: one rank's loss is NaN at one step: it gets no vote at the next sync, a ``NonFiniteWarning``
   names it, it adopts the others' consensus and the job goes on without a restart.
 
+Checkpoint safety (drawn from a generator of their own, after the others: a seed plans the kinds
+above as before):
+
+* malicious: every rank's newest checkpoint is replaced by one whose unpickling would run a shell
+  command (it creates a marker file), sealed with a recomputed CRC32: every rank must refuse it
+  naming the file, the marker must never appear, and the job falls back to the previous one.
+* badload: at a consensus point every rank loads the previous checkpoint rewritten with another
+  ``sync_every``: ``ConfigError`` on every rank, and the model and optimizer state (digests) must
+  be unchanged; the run goes on bit-exact.
+* bgfail: the last checkpoint of the run is written in the background and fails (the writer
+  raises ENOSPC on rank 0): every rank must report it at ``flo.shutdown()`` naming the file and
+  the cause, the job must exit non-zero, and ``last.pt`` must hold the checkpoint before it.
+* staletmp: rank 0 is SIGKILLed inside a checkpoint write: the torn temp file is there at the
+  resume and gone after the next save; the resume is bit-exact.
+
 Kill and stop trials run in chains: one torchrun job of C trials with ``--max-restarts C``, attempt
 k hosting fault k (C process start-ups instead of 2C). Each trial is judged on its own from the
 job's event log: the step its attempt resumed from, the steps redone (work done before the fault
@@ -34,6 +51,7 @@ Output: one line per trial as it is judged (with the ETA), the table, a summary 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -102,9 +120,41 @@ def _sync_steps(cfg: Config, lo: int, hi: int) -> List[int]:
     return [s for s in range(lo, hi) if (s + 1) % cfg.sync_every == 0]
 
 
+def _chain(cfg: Config, kind: str, world: int, phases: List[str], rng: random.Random, tid: int,
+           chain: int, rank: Optional[int] = None) -> List[Trial]:
+    """One chain of trials (one per attempt of a torchrun job); ids from ``tid``."""
+    K = cfg.sync_every
+    trials, prev = [], None
+    for attempt, phase in enumerate(phases):
+        if phase == "inner":
+            phase = rng.choice(INNER_PHASES)
+        # Each attempt passes at least one consensus point after its resume before the
+        # next fault (resume <= previous fault + 1), so every trial is checked on its own.
+        lo = K + 1 if prev is None else prev + K + 2
+        candidates = (_sync_steps(cfg, lo, lo + 2 * K) if phase in ("collective", "checkpoint")
+                      else list(range(lo, lo + K)))
+        step = rng.choice(candidates)
+        if step >= cfg.steps - 1:
+            raise SystemExit(f"--steps {cfg.steps} is too short for chains of {chain}; raise "
+                             f"--steps to {step + 2 * K} or lower --chain")
+        detail: Dict[str, Any] = {}
+        if phase == "collective":
+            detail["call"] = rng.randrange(2)   # the count, or the params' reduce
+        if phase == "checkpoint":
+            detail["fraction"] = round(rng.uniform(0.05, 0.95), 3)
+        who = rng.randrange(world) if rank is None else rank
+        trials.append(Trial(tid + attempt, kind, world, who, step, phase, attempt, detail))
+        prev = step
+    return trials
+
+
 def plan(cfg: Config, kills: int, stops: int, damages: int, nans: int, worlds: List[int],
-         chain: int, seed: int) -> List[List[Trial]]:
-    """Jobs (lists of trials), drawn from ``seed``. Kill and stop trials come in chains."""
+         chain: int, seed: int, malicious: int = 0, badloads: int = 0, bgfails: int = 0,
+         staletmps: int = 0) -> List[List[Trial]]:
+    """Jobs (lists of trials), drawn from ``seed``. Kill, stop and staletmp trials come in chains.
+
+    The checkpoint-safety kinds (malicious, badload, bgfail, staletmp) are drawn from a generator
+    of their own and come after the others, so a seed plans the other kinds as before."""
     rng = random.Random(seed)
     K = cfg.sync_every
     # Kills: a third each "during an inner step", "during a collective", "during a checkpoint".
@@ -118,27 +168,8 @@ def plan(cfg: Config, kills: int, stops: int, damages: int, nans: int, worlds: L
         per_world = {w: mine[i::len(worlds)] for i, w in enumerate(worlds)}
         for world, phases in per_world.items():
             for c in range(0, len(phases), chain):
-                trials, prev = [], None
-                for attempt, phase in enumerate(phases[c:c + chain]):
-                    if phase == "inner":
-                        phase = rng.choice(INNER_PHASES)
-                    # Each attempt passes at least one consensus point after its resume before the
-                    # next fault (resume <= previous fault + 1), so every trial is checked on its own.
-                    lo = K + 1 if prev is None else prev + K + 2
-                    candidates = (_sync_steps(cfg, lo, lo + 2 * K) if phase in ("collective", "checkpoint")
-                                  else list(range(lo, lo + K)))
-                    step = rng.choice(candidates)
-                    if step >= cfg.steps - 1:
-                        raise SystemExit(f"--steps {cfg.steps} is too short for chains of {chain}; raise "
-                                         f"--steps to {step + 2 * K} or lower --chain")
-                    detail: Dict[str, Any] = {}
-                    if phase == "collective":
-                        detail["call"] = rng.randrange(2)   # the count, or the params' reduce
-                    if phase == "checkpoint":
-                        detail["fraction"] = round(rng.uniform(0.05, 0.95), 3)
-                    trials.append(Trial(tid, kind, world, rng.randrange(world), step, phase, attempt, detail))
-                    tid += 1
-                    prev = step
+                trials = _chain(cfg, kind, world, phases[c:c + chain], rng, tid, chain)
+                tid += len(trials)
                 jobs.append(trials)
     # Damage and NaN trials: one launch per world size runs them one after another (--runs):
     # their faults strike at load time or inside a run, not at the process.
@@ -153,7 +184,31 @@ def plan(cfg: Config, kills: int, stops: int, damages: int, nans: int, worlds: L
         batch[world].append(Trial(tid, "nan", world, rng.randrange(world), rng.randrange(K + 1, cfg.steps - 2 * K),
                                   "loss", len(batch[world])))
         tid += 1
+    # Checkpoint safety: a crafted (code-running) newest checkpoint and a refused load join the
+    # batches; staletmp trials (rank 0 killed inside a checkpoint write) come in chains; a failed
+    # last background write needs a launch of its own (it is judged at the exit).
+    rng2 = random.Random(seed * 7919 + 1)
+    for i in range(malicious):
+        world = worlds[i % len(worlds)]
+        batch[world].append(Trial(tid, "malicious", world, -1, cfg.snapshot_at - 1, "sealed pickle",
+                                  len(batch[world])))
+        tid += 1
+    for i in range(badloads):
+        world = worlds[i % len(worlds)]
+        step = rng2.choice(_sync_steps(cfg, 2 * K, cfg.steps - K))   # prev.pt exists from the 2nd save
+        batch[world].append(Trial(tid, "badload", world, -1, step, "another sync_every", len(batch[world])))
+        tid += 1
     jobs += [ts for ts in batch.values() if ts]
+    for world in worlds:
+        mine = ["checkpoint"] * len(range(worlds.index(world), staletmps, len(worlds)))
+        for c in range(0, len(mine), chain):
+            trials = _chain(cfg, "staletmp", world, mine[c:c + chain], rng2, tid, chain, rank=0)
+            tid += len(trials)
+            jobs.append(trials)
+    last = _sync_steps(cfg, 0, cfg.steps)[-1]
+    for i in range(bgfails):
+        jobs.append([Trial(tid, "bgfail", worlds[i % len(worlds)], 0, last, "ENOSPC", 0)])
+        tid += 1
     return jobs
 
 
@@ -360,7 +415,24 @@ def judge_chain(trials: List[Trial], res: JobResult, ref: Reference, cfg: Config
         if not ok_lost:
             t.note = (t.note + "; " if t.note else "") + f"lost {t.steps_lost} > K"
         stop_ok = t.kind != "stop" or t.detail.get("syncerror_ok", False)
+        if t.kind == "staletmp":
+            stop_ok = _judge_staletmp(t, events, nxt)
         t.recovered = bool(t.exact) and ok_lost and stop_ok and not t.hang
+
+
+def _judge_staletmp(t: Trial, events, attempt: int) -> bool:
+    """The killed write's temp file is there at the resume and gone after the next save."""
+    temps = [e for e in events if e["event"] == "temps" and e["attempt"] == attempt]
+    at_resume = [e for e in temps if e["at"] == "resume"]
+    saves = [e for e in temps if e["at"] == "save"]
+    torn = bool(at_resume and at_resume[0]["names"])
+    cleaned = bool(saves) and saves[0]["names"] == []
+    t.detail.update(torn_temp_at_resume=torn, cleaned_at_next_save=cleaned)
+    if not torn:
+        t.note = (t.note + "; " if t.note else "") + "no temp file left by the kill (nothing to clean)"
+    elif not cleaned:
+        t.note = (t.note + "; " if t.note else "") + f"stale temp NOT removed by the next save {saves[:1]}"
+    return torn and cleaned
 
 
 def _judge_stop(t: Trial, fault: Dict[str, Any], events, res: JobResult, cfg: Config) -> None:
@@ -420,6 +492,108 @@ def prepare_damage(t: Trial, ref: Reference, job_dir: str) -> None:
     t.detail["file"] = target
 
 
+class _RunsCode:
+    """Unpickling this runs a shell command that creates ``marker`` (a crafted checkpoint's payload)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        import shlex
+        return (os.system, (f"touch {shlex.quote(self.marker)}",))
+
+
+def prepare_malicious(t: Trial, ref: Reference, job_dir: str) -> None:
+    """Every rank's newest checkpoint replaced by one whose unpickling runs code, sealed with a
+    recomputed CRC32 (anyone can): only a loader that runs no code from the file refuses it."""
+    import torch
+    sys.path.insert(0, ROOT)
+    from flodl_opt.checkpoint import atomic_save
+    template = os.path.join(job_dir, "view", "rank{rank}")
+    marker = os.path.join(job_dir, "code_ran")
+    payload = torch.load(os.path.join(ref.dir, "snapshot", "last.pt"), map_location="cpu", weights_only=True)
+    payload["ranks"][0]["extra"] = dict(payload["ranks"][0]["extra"], x=_RunsCode(marker))
+    for r in range(t.world):
+        view = template.format(rank=r)
+        os.makedirs(view, exist_ok=True)
+        shutil.copyfile(os.path.join(ref.dir, "snapshot", "prev.pt"), os.path.join(view, "prev.pt"))
+        atomic_save(payload, os.path.join(view, "last.pt"))
+    t.detail.update(file=os.path.join(template.format(rank=0), "last.pt"), marker=marker)
+
+
+def judge_malicious(t: Trial, res: JobResult, ref: Reference, cfg: Config) -> None:
+    events = read_events(res.dir)
+    refusals = [e for e in events if e["event"] == "refused" and e["path"].endswith("last.pt")]
+    everyone = f"rank(s) {list(range(t.world))}"
+    refused = len({e["rank"] for e in refusals}) == t.world and all(
+        everyone in e["message"] and "is refused" in e["message"] for e in refusals)
+    ran = os.path.exists(t.detail["marker"])
+    t.detail.update(refused=refused, code_ran=ran)
+    if res.hang:
+        t.hang, t.note = True, "job deadline passed"
+        return
+    resumes = [e for e in events if e["event"] == "resume"]
+    starts = {e["start"] for e in resumes}
+    if len(resumes) == t.world and len(starts) == 1:
+        t.resumed_from = starts.pop()
+        t.steps_lost = cfg.snapshot_at - t.resumed_from
+        t.recover_s = max(e["load_s"] for e in resumes)
+    t.checked_steps, t.exact = _check_digests(events, t.attempt, t.world, ref)
+    t.exact = bool(t.exact and res.rc == 0 and _final_equal(res.dir, ref, t.world))
+    t.note = ", ".join(k for k, v in (("its code RAN", ran), ("not refused on every rank", not refused),
+                                      ("did not fall back to prev.pt and finish bit-exact",
+                                       not (t.exact and t.resumed_from == cfg.snapshot_at - cfg.sync_every)))
+                       if v)
+    t.recovered = refused and not ran and bool(t.exact) and t.resumed_from == cfg.snapshot_at - cfg.sync_every
+
+
+def judge_badload(t: Trial, res: JobResult, ref: Reference, cfg: Config) -> None:
+    """Every rank got ConfigError, its model and optimizer state unchanged; the job went on bit-exact."""
+    events = read_events(res.dir)
+    if res.hang:
+        t.hang, t.note = True, "job deadline passed"
+        return
+    loads = {e["rank"]: e for e in events if e["event"] == "badload" and e["attempt"] == t.attempt}
+    refused = len(loads) == t.world and all(e["refused"] for e in loads.values())
+    same = len(loads) == t.world and all(e["same"] for e in loads.values())
+    t.checked_steps, t.exact = _check_digests(events, t.attempt, t.world, ref)
+    t.exact = bool(t.exact and res.rc == 0 and _final_equal(res.dir, ref, t.world))
+    t.steps_lost = 0
+    t.detail.update(refused=refused, untouched=same)
+    t.note = ", ".join(k for k, v in (("not refused on every rank", not refused),
+                                      ("the refused load WROTE state", not same),
+                                      ("the run diverged from the uninterrupted one", not t.exact)) if v)
+    t.recovered = refused and same and bool(t.exact)
+
+
+def judge_bgfail(t: Trial, res: JobResult, ref: Reference, cfg: Config) -> None:
+    """The failed last background write is reported on every rank and the job fails (non-zero)."""
+    import torch
+    events = read_events(res.dir)
+    if res.hang:
+        t.hang, t.note = True, "job deadline passed"
+        return
+    target = os.path.join(res.dir, "ckpt", "last.pt")
+    exits: List[Dict[str, Any]] = []
+    if os.path.exists(os.path.join(res.dir, "exit.jsonl")):
+        with open(os.path.join(res.dir, "exit.jsonl")) as fh:
+            exits = [json.loads(line) for line in fh if line.strip()]
+    errs = {e["rank"]: e for e in exits if e["event"] == "shutdown_error"}
+    reported = len(errs) == t.world and all(target in e["message"] and "No space left on device" in e["message"]
+                                            for e in errs.values())
+    failed = res.rc not in (0, None)
+    t.checked_steps, t.exact = _check_digests(events, 0, t.world, ref)   # the training itself went on
+    kept = None
+    with contextlib.suppress(Exception):
+        kept = torch.load(target, map_location="cpu", weights_only=True)["ranks"][0]["extra"]["step"]
+    previous_ok = kept == t.step + 1 - cfg.sync_every
+    t.detail.update(reported_on=sorted(errs), job_rc=res.rc, kept_step=kept)
+    t.note = ", ".join(k for k, v in (("NOT reported on every rank", not reported), ("job exited 0", not failed),
+                                      (f"last.pt holds step {kept}", not previous_ok),
+                                      ("training diverged", not t.exact)) if v)
+    t.recovered = reported and failed and previous_ok and bool(t.exact)
+
+
 def judge_damage(t: Trial, res: JobResult, ref: Reference, cfg: Config) -> None:
     events = read_events(res.dir)
     refusals = [e for e in events if e["event"] == "refused" and e["path"].endswith("last.pt")]
@@ -477,11 +651,17 @@ def judge_nan(t: Trial, res: JobResult, ref: Reference, cfg: Config) -> None:
 # ----------------------------------------------------------------------------- the campaign
 def run_job(trials: List[Trial], refs: Dict[int, Reference], cfg: Config, work: str,
             runner: Optional[Callable] = None) -> JobResult:
-    """Run one job (a chain of kill/stop trials, or one damage / nan trial) and judge its trials."""
+    """Run one job (a chain of kill/stop/staletmp trials, a batch of load-time trials, or a bgfail
+    trial) and judge its trials."""
     first = trials[0]
     job_dir = os.path.join(work, f"job{first.id:03d}_{first.kind}_w{first.world}")
     ref = refs[first.world]
-    if first.kind in ("kill", "stop"):
+    if first.kind == "bgfail":
+        args = job_args(cfg, job_dir, cfg.timeout_s) + ["--background"]
+        res = run_torchrun(job_dir, first.world, args, [first.fault_spec()], 0, cfg.attempt_deadline_s)
+        judge_bgfail(first, res, ref, cfg)
+        return res
+    if first.kind in ("kill", "stop", "staletmp"):
         stop = any(t.kind == "stop" for t in trials)
         timeout = cfg.stop_timeout_s if stop else cfg.timeout_s
         args = job_args(cfg, job_dir, timeout, cfg.stall_warning_s if stop else None)
@@ -498,14 +678,18 @@ def run_job(trials: List[Trial], refs: Dict[int, Reference], cfg: Config, work: 
     for t in trials:
         if t.kind == "damage":
             prepare_damage(t, ref, run_dir(t.attempt))
+        if t.kind == "malicious":
+            prepare_malicious(t, ref, run_dir(t.attempt))
     load = os.path.join(job_dir, "view", "rank{rank}") if n == 1 else \
         os.path.join(job_dir, "run{run}", "view", "rank{rank}")   # no view: a fresh start (NaN runs)
     args = job_args(cfg, job_dir, cfg.timeout_s, load_dir=load) + ["--runs", str(n)]
     faults = [t.fault_spec() for t in trials if t.kind == "nan"]
+    faults += [dict(t.fault_spec(), rank=r) for t in trials if t.kind == "badload" for r in range(t.world)]
     res = (runner or _torchrun_single)(job_dir, first.world, args, faults, cfg.attempt_deadline_s * n)
     for t in trials:
         mine = dataclasses.replace(res, dir=run_dir(t.attempt))
-        (judge_damage if t.kind == "damage" else judge_nan)(t, mine, ref, cfg)
+        {"damage": judge_damage, "nan": judge_nan, "malicious": judge_malicious,
+         "badload": judge_badload}[t.kind](t, mine, ref, cfg)
     return res
 
 
@@ -527,6 +711,10 @@ def describe(t: Trial) -> str:
              "checkpoint": "checkpoint write" + (f" ({t.detail.get('fraction', 0):.0%} written)" if t.rank == 0
                                                  else " (rank 0 writing)"),
              "loss": "NaN loss"}.get(t.phase, t.detail.get("damage", t.phase))
+    where = {"staletmp": f"checkpoint write ({t.detail.get('fraction', 0):.0%} written), then the next save",
+             "malicious": "newest checkpoint runs code (sealed), every rank",
+             "badload": "load of prev.pt with another sync_every",
+             "bgfail": "last background save: disk full (ENOSPC)"}.get(t.kind, where)
     if t.kind == "damage":
         where = f"{t.phase}: {t.detail.get('damage', '')}"
     return where
@@ -546,6 +734,10 @@ def row(t: Trial) -> str:
         note = "refused on every rank, file named; fell back to prev.pt"
     if t.kind == "nan" and not note:
         note = "no vote, warned, went on"
+    if not note:
+        note = {"staletmp": "torn temp removed by the next save", "malicious": "refused, no code ran, fell back",
+                "badload": "ConfigError everywhere, nothing written", "bgfail": "reported on every rank, exit non-zero"
+                }.get(t.kind, note)
     return (f"{t.id:>3} {t.kind:6} {t.world:>5} {t.rank:>4} {t.step:>4}  {describe(t)[:44]:44} "
             f"{_fmt(t.recovered):>3} {_fmt(t.resumed_from):>4} {_fmt(t.steps_lost):>4} {exact:>5} "
             f"{_fmt(t.recover_s, '.1f'):>9} {_fmt(t.detect_s, '.1f'):>8}  {note}")
@@ -557,12 +749,12 @@ def summarize(trials: List[Trial], cfg: Config) -> Dict[str, Any]:
     hangs = sum(t.hang for t in done)
     lost = [t.steps_lost for t in done if t.steps_lost is not None and t.kind != "nan"]
     by = {}
-    for kind in ("kill", "stop", "damage", "nan"):
+    for kind in ("kill", "stop", "damage", "nan") + SAFETY_KINDS:
         ts = [t for t in done if t.kind == kind]
         if not ts:
             continue
         d = {"trials": len(ts), "recovered": sum(t.recovered for t in ts), "hangs": sum(t.hang for t in ts)}
-        if kind in ("kill", "stop", "damage"):
+        if kind in ("kill", "stop", "damage", "staletmp", "malicious"):
             d["bit_exact"] = sum(bool(t.exact) for t in ts)
             d["max_steps_lost"] = max([t.steps_lost for t in ts if t.steps_lost is not None], default=None)
             rs = [t.recover_s for t in ts if t.recover_s is not None]
@@ -578,8 +770,18 @@ def summarize(trials: List[Trial], cfg: Config) -> Dict[str, Any]:
         by[kind] = d
     line = (f"{rec}/{len(done)} trials recovered, {hangs} hangs, max steps lost "
             f"{max(lost) if lost else '-'} (checkpoint interval K={cfg.sync_every})")
+    safety = [f"{SAFETY_LABELS[k]} {by[k]['recovered']}/{by[k]['trials']}" for k in SAFETY_KINDS if k in by]
+    if safety:
+        line += "; checkpoint safety: " + ", ".join(safety)
     return {"line": line, "recovered": rec, "trials": len(done), "hangs": hangs,
             "max_steps_lost": max(lost) if lost else None, "by_kind": by}
+
+
+SAFETY_KINDS = ("malicious", "badload", "bgfail", "staletmp")
+SAFETY_LABELS = {"malicious": "malicious pickle refused (no code ran)",
+                 "badload": "failed load left the model untouched",
+                 "bgfail": "failed final background save reported",
+                 "staletmp": "stale tmp cleaned"}
 
 
 # One summary line per kind of fault, from its aggregate ``k``.
@@ -596,6 +798,14 @@ KIND_LINES = {
                               "bit-exact"),
     "nan": lambda k, cfg: (f"NaN rank: {k['recovered']}/{k['trials']} no vote + warning naming it + the job went "
                            f"on; max |final loss - uninterrupted| {k['max_abs_loss_diff']:.3g}"),
+    "malicious": lambda k, cfg: (f"malicious pickle: {k['recovered']}/{k['trials']} refused on every rank with no "
+                                 "code run, fell back to the previous checkpoint and finished bit-exact"),
+    "badload": lambda k, cfg: (f"failed load: {k['recovered']}/{k['trials']} ConfigError on every rank, model and "
+                               "optimizer state unchanged, the run went on bit-exact"),
+    "bgfail": lambda k, cfg: (f"failed final background save: {k['recovered']}/{k['trials']} reported on every rank "
+                              "(file and cause named), job exited non-zero, previous checkpoint kept"),
+    "staletmp": lambda k, cfg: (f"stale tmp: {k['recovered']}/{k['trials']} killed write's temp file removed by the "
+                                f"next save, resumed bit-exact (max steps lost {k['max_steps_lost']})"),
 }
 
 
@@ -610,6 +820,10 @@ def main(argv=None) -> int:
     p.add_argument("--stops", type=int, default=4, help="SIGSTOP trials (hung peer)")
     p.add_argument("--damages", type=int, default=6, help="damaged-checkpoint trials (truncate, flip, missing)")
     p.add_argument("--nans", type=int, default=2, help="NaN-loss trials")
+    p.add_argument("--malicious", type=int, default=2, help="crafted checkpoints whose unpickling runs code")
+    p.add_argument("--badloads", type=int, default=2, help="loads refused for another sync_every (nothing written)")
+    p.add_argument("--bgfails", type=int, default=2, help="last background save fails (disk full): reported at exit")
+    p.add_argument("--staletmps", type=int, default=2, help="rank 0 killed inside a checkpoint write: temp cleaned")
     p.add_argument("--worlds", default="2,3", help="world sizes, trials spread over them")
     p.add_argument("--chain", type=int, default=6, help="kill/stop trials per torchrun job (one per attempt)")
     p.add_argument("--seed", type=int, default=17, help="draws the ranks, steps and points of the faults")
@@ -626,7 +840,8 @@ def main(argv=None) -> int:
     cfg = Config(steps=a.steps, sync_every=a.sync_every, seed=0, stop_timeout_s=a.stop_timeout,
                  snapshot_at=(a.steps // 2 // a.sync_every) * a.sync_every, attempt_deadline_s=a.attempt_deadline)
     worlds = [int(w) for w in a.worlds.split(",")]
-    jobs = plan(cfg, a.kills, a.stops, a.damages, a.nans, worlds, a.chain, a.seed)
+    jobs = plan(cfg, a.kills, a.stops, a.damages, a.nans, worlds, a.chain, a.seed, a.malicious, a.badloads,
+                a.bgfails, a.staletmps)
     trials = [t for job in jobs for t in job]
     work = a.work_dir or tempfile.mkdtemp(prefix="flodl_faults_")
     os.makedirs(work, exist_ok=True)

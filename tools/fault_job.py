@@ -24,6 +24,14 @@ attempt (``TORCHELASTIC_RESTART_COUNT``), one rank and one 0-based step, so one 
   file; any other rank after handing its piece to rank 0, while rank 0 writes).
 * ``stop``: SIGSTOP itself at the same points (``optimizer`` or ``collective``): a hung peer.
 * ``nan``: the loss of that step is NaN (so are the gradients and, after the step, the params).
+* ``staletmp``: a ``kill`` of rank 0 inside a checkpoint write (phase ``checkpoint``), judged also
+  on the killed write's temp file: there at the resume, gone after the next save.
+* ``badload`` (every rank, a consensus step): after the save, rank 0 writes ``badload.pt``, the
+  previous checkpoint with another ``sync_every``; every rank loads it, must get ``ConfigError``
+  and keep its model, optimizer state and counters (digests before and after), and trains on.
+* ``bgfail`` (rank 0, a consensus step; with ``--background``): from that save on, the checkpoint
+  writer fails with ``OSError(ENOSPC)`` (a full disk), so the last background write fails; the
+  job must end non-zero, every rank reporting it (``shutdown_error`` in ``<dir>/exit.jsonl``).
 
 Every rank appends JSON lines to ``<dir>/log/rank<r>.jsonl``: start, resume (step, file, refused
 files), params (a digest of the params after the resume and at every consensus point), fault,
@@ -100,7 +108,7 @@ class Fault:
     def fire(self, step: int, phase: str, **detail: Any) -> None:
         """Log the fault (the campaign reads the time and the step), then kill or stop this process."""
         self.log("fault", kind=self.kind, phase=phase, step=step, **detail)
-        if self.kind == "kill":
+        if self.kind in ("kill", "staletmp"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -177,6 +185,66 @@ class _CheckpointTrap:
 
 
 # ----------------------------------------------------------------------------- the job
+def _temps(ckpt_dir: str) -> List[str]:
+    """Temp files of last.pt in the checkpoint directory (a killed write's, or one in flight)."""
+    try:
+        return sorted(n for n in os.listdir(ckpt_dir) if n.startswith(".last.pt.") and n.endswith(".tmp"))
+    except FileNotFoundError:
+        return []
+
+
+def state_digest(model, opt) -> str:
+    """SHA-1 of the model and everything in the optimizer's state dict (tensors, numbers, counters)."""
+    import hashlib
+    h = hashlib.sha1(digest(model).encode())
+
+    def feed(obj) -> None:
+        if torch.is_tensor(obj):
+            h.update(obj.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=repr):
+                h.update(repr(k).encode())
+                feed(obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                feed(v)
+        else:
+            h.update(repr(obj).encode())
+    feed(opt.state_dict())
+    return h.hexdigest()
+
+
+def _bad_load(ckpt_dir: str, model, opt, rank: int, log: EventLog) -> None:
+    """Every rank loads the previous checkpoint with another sync_every: refused, nothing written."""
+    bad = os.path.join(ckpt_dir, "badload.pt")
+    if rank == 0:
+        src = os.path.join(ckpt_dir, "prev.pt")   # other weights than the live ones
+        payload = torch.load(src, map_location="cpu", weights_only=True)
+        for piece in payload["ranks"]:
+            if piece.get("optimizer") is not None:
+                cfg = piece["optimizer"]["flodl_opt"]["config"]
+                cfg["sync_every"] = cfg["sync_every"] + 1
+        ckpt_mod.atomic_save(payload, bad)
+    if dist.is_initialized():
+        dist.barrier()
+    before = state_digest(model, opt)
+    try:
+        flo.load_checkpoint(bad, model, opt)
+        refused, message = False, None
+    except flo.ConfigError as exc:
+        refused, message = True, str(exc)[:2000]
+    log("badload", refused=refused, message=message, same=state_digest(model, opt) == before)
+
+
+def _disk_full_from_now() -> None:
+    """The checkpoint writer fails like a full disk from now on (this rank)."""
+    import errno
+
+    def full(obj, f):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    ckpt_mod._serialize = full
+
+
 def build(charlm, seed: int, sync_every: int, steps: int, stall_warning_s: Optional[float]):
     torch.manual_seed(seed)
     model = charlm.CharLM(256, TINY["d_model"], TINY["heads"], TINY["layers"], TINY["context"])
@@ -299,6 +367,8 @@ def one_run(args, charlm, data, run_dir: str, rank: int, log: EventLog, fault: F
     start = extra["step"] if extra else 0
     log("resume", start=start, path=used, refused=refused, load_s=time.time() - t0)
     log("params", step=start, digest=digest(model))
+    if rank == 0:
+        log("temps", step=start, at="resume", names=_temps(ckpt_dir))
 
     losses: Dict[int, float] = {}
     try:
@@ -326,13 +396,22 @@ def one_run(args, charlm, data, run_dir: str, rank: int, log: EventLog, fault: F
             if opt.steps_since_sync == 0:   # a consensus point: keep the previous, write the new
                 if rank == 0:
                     _keep_previous(ckpt_dir)
+                if fault.kind == "bgfail" and step == fault.step:
+                    log("fault", kind="bgfail", phase="checkpoint", step=step)
+                    _disk_full_from_now()
+                    fault.kind = None
+                save = dict(extra={"step": step + 1}, background=args.background)
                 if fault.armed(step, "checkpoint"):
                     with _CheckpointTrap(fault, step, rank):
-                        flo.save_checkpoint(os.path.join(ckpt_dir, "last.pt"), model, opt,
-                                            extra={"step": step + 1})
+                        flo.save_checkpoint(os.path.join(ckpt_dir, "last.pt"), model, opt, **save)
                 else:
-                    flo.save_checkpoint(os.path.join(ckpt_dir, "last.pt"), model, opt, extra={"step": step + 1})
+                    flo.save_checkpoint(os.path.join(ckpt_dir, "last.pt"), model, opt, **save)
                 log("params", step=step + 1, digest=digest(model))
+                if rank == 0 and not args.background:
+                    log("temps", step=step + 1, at="save", names=_temps(ckpt_dir))
+                if fault.kind == "badload" and step == fault.step:
+                    _bad_load(ckpt_dir, model, opt, rank, log)
+                    fault.kind = None
                 if step + 1 == args.snapshot_at and rank == 0:
                     _snapshot(ckpt_dir, os.path.join(run_dir, "snapshot"))
         if opt.steps_since_sync:
@@ -392,9 +471,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "<dir>/ckpt")
     p.add_argument("--runs", type=int, default=1,
                    help="independent runs in this launch, each in <dir>/run<k> with the faults of attempt k")
+    p.add_argument("--background", action="store_true", help="save_checkpoint(background=True)")
     p.add_argument("--snapshot-at", type=int, default=-1,
                    help="after the checkpoint of this step, rank 0 copies last.pt and prev.pt to <dir>/snapshot")
     return p.parse_args(argv)
+
+
+def _exit_record(a, event: str, **fields: Any) -> None:
+    with open(os.path.join(a.dir, "exit.jsonl"), "a") as fh:
+        fh.write(json.dumps({"event": event, "t": time.time(), "pid": os.getpid(),
+                             "rank": int(os.environ.get("RANK", "0")),
+                             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                             **fields}) + "\n")
+
+
+def _shutdown(a) -> None:
+    try:
+        flo.shutdown()
+    except Exception as exc:   # a failed last background write: recorded, then the job fails
+        _exit_record(a, "shutdown_error", type=type(exc).__name__, message=str(exc)[:2000])
+        raise
 
 
 if __name__ == "__main__":
@@ -402,8 +498,5 @@ if __name__ == "__main__":
     try:
         train(a)
     finally:
-        flo.shutdown()
-    with open(os.path.join(a.dir, "exit.jsonl"), "a") as fh:
-        fh.write(json.dumps({"event": "exit", "t": time.time(), "pid": os.getpid(),
-                             "rank": int(os.environ.get("RANK", "0")),
-                             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}) + "\n")
+        _shutdown(a)
+    _exit_record(a, "exit")

@@ -11,7 +11,8 @@ an outer optimizer step (DiLoCo, SlowMo, EASGD).
 from .adaptive import AdaptiveSync
 from .consensus import SyncStats
 from .dcp import DCPState
-from .checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
+from .checkpoint import (CheckpointSyncError, CheckpointWriteError, UnsafeCheckpointWarning, load_checkpoint,
+                         save_checkpoint, wait_checkpoint)
 from .errors import (AveragedElsewhereWarning, CollectiveMismatchError, ConfigError, NonFiniteError,
                      NonFiniteWarning, SyncError)
 from .horovod import (Adasum, Average, Compression, DistributedOptimizer, Max, Min, Product, Sum, allgather,
@@ -33,7 +34,8 @@ __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "device",
     "backend", "launch_info", "LocalSGDOptimizer", "AdaptiveSync", "SyncStats", "OuterOptimizer", "OuterAvg",
     "DiLoCo", "SlowMo", "EASGD", "TorchOuter", "SyncError", "ConfigError",
-    "NonFiniteError", "NonFiniteWarning", "save_checkpoint", "load_checkpoint", "wait_checkpoint",
+    "NonFiniteError", "NonFiniteWarning", "CheckpointSyncError", "CheckpointWriteError",
+    "UnsafeCheckpointWarning", "save_checkpoint", "load_checkpoint", "wait_checkpoint",
     "DistributedOptimizer", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "allreduce",
     "allreduce_", "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object",
     "broadcast_parameters", "broadcast_optimizer_state", "allreduce_async", "allreduce_async_",

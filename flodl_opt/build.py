@@ -7,6 +7,7 @@ reads that start (the outer anchor, the wire's anchor, the streaming buffers).
 """
 from __future__ import annotations
 
+import hashlib
 import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional
@@ -76,7 +77,7 @@ def build_sync(opt: Any, cfg: SyncConfig, optimizer: torch.optim.Optimizer, mode
     denoise = LocalDenoise(optimizer, world) if cfg.denoise_moments is True and world > 1 else None
     drift = DriftDenoise(optimizer, params) if cfg.denoise_moments == "sync" and world > 1 else None
     if world > 1:
-        check_same_everywhere(config_record(cfg, param_groups + buffer_groups), param_groups + buffer_groups,
+        check_same_everywhere(config_record(cfg, param_groups + buffer_groups), model_layout(inner_model, params),
                               group)
         if cfg.broadcast_initial:
             broadcast_from_root(param_groups + buffer_groups, inner_model, group)
@@ -130,14 +131,30 @@ def config_record(cfg: SyncConfig, groups: List[FlatGroup]) -> dict:
     return {**cfg.record(), "flat": [(r, d, [list(s) for s in shapes]) for r, d, shapes in signature(groups)]}
 
 
-def check_same_everywhere(cfg: dict, groups: List[FlatGroup], group: Optional[dist.ProcessGroup]) -> None:
-    """Every rank must wrap the same tensors with the same config, or the collectives misalign."""
+def model_layout(model: Optional[nn.Module], params: List[torch.Tensor]) -> list:
+    """The synced params in packing order (the optimizer's) by name, then the model's params and buffers
+    with names, shapes, dtypes and requires_grad, in order: same-shaped params in another order, or a
+    param frozen on one rank only, change it (shapes alone do not)."""
+    names = {id(t): n for n, t in model.named_parameters()} if model is not None else {}
+    order = [(names.get(id(p), "?"), tuple(p.shape), str(p.dtype)) for p in params]
+    if model is None:
+        return order
+    return order + [(n, tuple(t.shape), str(t.dtype), bool(t.requires_grad))
+                    for n, t in list(model.named_parameters()) + list(model.named_buffers())]
+
+
+def check_same_everywhere(cfg: dict, layout: list, group: Optional[dist.ProcessGroup]) -> None:
+    """Every rank must wrap the same tensors with the same config, or the collectives misalign, or
+    (same shapes in another order) average each tensor with another rank's other tensor."""
     keys = list(SyncConfig.agreed(strict=True))
-    desc = {"flat": cfg["flat"], **{k: cfg[k] for k in keys}}
+    desc = {"flat": cfg["flat"], "layout": layout, **{k: cfg[k] for k in keys}}
     summary = {"groups": [(r, d, len(s), sum(_numel(x) for x in s)) for r, d, s in cfg["flat"]],
-               **{k: cfg[k] for k in keys}}
+               "layout": hashlib.sha1(repr(layout).encode()).hexdigest()[:10],
+               "frozen": [t[0] for t in layout if len(t) == 4 and not t[3]][:4], **{k: cfg[k] for k in keys}}
     check_same_on_every_rank(desc, summary, group, "flodl_opt: ranks wrap different models or configs",
-                             "groups are (role, dtype, tensors, elements)", "LocalSGDOptimizer")
+                             "groups are (role, dtype, tensors, elements); layout is a digest of the synced params' "
+                             "order and the model's param and buffer names, shapes, dtypes and requires_grad; frozen "
+                             "lists params with requires_grad=False", "LocalSGDOptimizer")
 
 
 def broadcast_from_root(groups: List[FlatGroup], inner_model: Optional[nn.Module],

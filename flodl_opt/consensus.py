@@ -70,6 +70,14 @@ def _total(squares: Sequence[torch.Tensor]) -> float:
     return float(torch.stack([q.double() for q in squares]).sum())
 
 
+def warn_nonfinite(rank: int, sync_number: int) -> None:
+    """The rank that had NaN/Inf says so (every sync mode, the same words)."""
+    warnings.warn(f"flodl_opt: rank {rank}'s params or float buffers were NaN/Inf at sync #{sync_number}: "
+                  "it got no vote and adopted the consensus of the other ranks. Lower the "
+                  "learning rate or set max_grad_norm if this repeats.",
+                  NonFiniteWarning, stacklevel=5)
+
+
 def gamma_mass(n: int, gamma: float) -> float:
     """Work mass of a rank that did ``n`` steps: an idle rank has no vote for any gamma."""
     return 0.0 if n <= 0 else float(n) ** gamma
@@ -408,10 +416,7 @@ class Consensus:
             "enable max_grad_norm, or resume from the last checkpoint.")
 
     def _warn_nonfinite(self, sync_number: int) -> None:
-        warnings.warn(f"flodl_opt: rank {self.rank}'s params were NaN/Inf at sync #{sync_number}: "
-                      "it got no vote and adopted the consensus of the other ranks. Lower the "
-                      "learning rate or set max_grad_norm if this repeats.",
-                      NonFiniteWarning, stacklevel=4)
+        warn_nonfinite(self.rank, sync_number)
 
     @contextlib.contextmanager
     def _restore_on_failure(self, sync_number: int) -> Iterator[None]:
@@ -438,13 +443,15 @@ class Consensus:
         """
         t0 = time.perf_counter()
         stats = SyncStats(sync=sync_number, steps=steps)
-        optimistic = self.distributed and self.keep_presync and steps > 0
+        # A NaN/Inf float buffer (BatchNorm running_var) would reach every rank: checked up front (small).
+        bad_buffers = self.buffers_nonfinite()
+        optimistic = self.distributed and self.keep_presync and steps > 0 and not bad_buffers
         self._valid.clear()  # nothing copied yet at this sync: a restore must not write stale data
         self._scratch_is_delta = False  # the last sync's spent copy: this one's is about to be made
         pre_sq, nonfinite = None, False
         if not optimistic:
             pre_sq = self._pre_norm_sq()
-            nonfinite = self.nonfinite_guard and pre_sq is not None and not math.isfinite(pre_sq)
+            nonfinite = bad_buffers or (self.nonfinite_guard and pre_sq is not None and not math.isfinite(pre_sq))
         count_bytes = self._count.numel() * self._count.element_size()
         with self._restore_on_failure(sync_number):
             totals = self._count_or_skip(stats, steps, active, nonfinite, sync_number, t0)
@@ -490,7 +497,8 @@ class Consensus:
         t0 = time.perf_counter()
         stats = SyncStats(sync=sync_number, steps=steps)
         pre_sq = self._pre_norm_sq()
-        nonfinite = self.nonfinite_guard and pre_sq is not None and not math.isfinite(pre_sq)
+        nonfinite = self.buffers_nonfinite() or \
+            (self.nonfinite_guard and pre_sq is not None and not math.isfinite(pre_sq))
         if self.keep_presync:
             self.presync_copy()
         return t0, stats, pre_sq, nonfinite
@@ -519,6 +527,12 @@ class Consensus:
         self.readout(stats, None if nonfinite else pre_sq)
         stats.ms = (time.perf_counter() - t0) * 1e3
         return stats
+
+    def buffers_nonfinite(self) -> bool:
+        """Any NaN/Inf in this rank's float buffers (one host read; buffers are small)."""
+        if not (self.nonfinite_guard and self.buffers):
+            return False
+        return not bool(torch.stack([torch.isfinite(g.flat).all() for g in self.buffers]).all())
 
     def _norm_sq(self) -> Optional[float]:
         if not self.params:

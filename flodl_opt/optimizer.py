@@ -224,7 +224,10 @@ class LocalSGDOptimizer(WrappedOptimizer):
         if not self._checked_grads:  # once, at the first step
             self._check_grads()
             self._find_late_ddp()
-        skipped = scaler_says_skip(self, self._params)  # None unless GradScaler.step called us
+        # GradScaler found inf/NaN (None unless it called us), or no backward() reached any param:
+        # no work, so no vote at the next sync
+        skipped = scaler_says_skip(self, self._params) or \
+            (closure is None and not any(p.grad is not None for p in self._params))
         loss = None if skipped else self._inner_step(closure)  # skipped: the step still counts (zero work)
         if self._drift is not None and not skipped:
             self._drift.count()   # the lr this step moved the params with, before the scheduler moves it

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .adaptive import AdaptiveSync, share_drift
-from .consensus import SyncStats, gamma_mass
+from .consensus import SyncStats, gamma_mass, warn_nonfinite
 from .errors import ConfigError, NonFiniteError, SyncError
 from .flat import FlatGroup
 from .codecs import Codec
@@ -442,7 +442,9 @@ class StreamingSync:
                             continue  # the params travel as encoded differences (stream_wire.py)
                     torch.mul(s[i:j], factor, out=b[i:j])
             sq = float(torch.stack([q.double() for q in squares]).sum()) if squares else 0.0
-            nonfinite = self.nonfinite_guard and not math.isfinite(sq)
+            # a NaN/Inf float buffer (BatchNorm running_var) would reach every rank too
+            bad_buffers = self.nonfinite_guard and any(not bool(torch.isfinite(v).all()) for v in lives[n_params:])
+            nonfinite = self.nonfinite_guard and (not math.isfinite(sq) or bad_buffers)
             if nonfinite:  # no vote: exact zeros (0 * NaN is NaN)
                 mass = mover = 0.0
                 for b in buf:
@@ -580,8 +582,10 @@ class StreamingSync:
             stats.divergence = math.sqrt(diff_sq) / stats.post_norm if stats.post_norm > 1e-12 else 0.0
         m = 0.0 if f.nonfinite else gamma_mass(f.steps, self.gamma)
         stats.weight = m / mass
-        if f.nonfinite and self.on_nonfinite is not None:
-            self.on_nonfinite(f.sync)
+        if f.nonfinite:
+            warn_nonfinite(self.rank, f.sync)
+            if self.on_nonfinite is not None:
+                self.on_nonfinite(f.sync)
         stats.ms = f.t_issue_ms + (time.perf_counter() - t0) * 1e3
         return stats
 

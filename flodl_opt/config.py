@@ -271,10 +271,6 @@ RULES: List[Rule] = [
     Rule("drift needs the pre-sync copy", lambda c, _: c.denoise_moments == "sync" and not c.keep_presync,
          lambda c: "denoise_moments='sync' reads the drift from the pre-sync copy: drop "
                    "keep_presync=False"),
-    Rule("warm-up syncs the whole model every step", lambda c, _: c.streaming and c.warmup_steps > 0,
-         lambda c: "fragments/overlap_steps do not combine with warmup_steps (warm-up syncs the whole "
-                   "model every step): use warmup_steps=0, or run the warm-up with a blocking optimizer "
-                   "and load its state"),
     Rule("the fragment schedule", lambda c, _: c.streaming and _schedule_broken(c), lambda c: ""),
     Rule("moments at blocking syncs", lambda c, _: c.sync_moments and c.streaming,
          lambda c: "sync_moments=True is not supported with fragments/overlap_steps (the moments are "
@@ -282,15 +278,6 @@ RULES: List[Rule] = [
     Rule("drift at blocking syncs", lambda c, _: c.denoise_moments == "sync" and c.streaming,
          lambda c: "denoise_moments='sync' reads the drift at blocking syncs; with fragments/"
                    "overlap_steps use denoise_moments=True (at every step) or drop one of them"),
-    Rule("drift from a float32 consensus", lambda c, _: c.denoise_moments == "sync" and c.compressed,
-         lambda c: f"denoise_moments='sync' is measured with the float32 sync only (a compressed "
-                   f"consensus adds its rounding to the drift it reads): drop wire={c.wire!r}, or use "
-                   "denoise_moments=True"),
-    Rule("drift of plain averaging",
-         lambda c, _: c.denoise_moments == "sync" and not isinstance(c.outer, OuterAvg),
-         lambda c: f"denoise_moments='sync' is measured for plain averaging only (the outer step "
-                   f"changes what a window's drift says); drop outer={c.outer.name!r}, or use "
-                   "denoise_moments=True"),
     Rule("an outer that needs W_i - C needs the pre-sync copy",
          lambda c, _: c.outer.needs_deltas and not c.keep_presync,
          lambda c: f"outer={c.outer.name!r} needs the pre-sync copy: drop keep_presync=False"),

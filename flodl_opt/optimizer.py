@@ -240,11 +240,14 @@ class LocalSGDOptimizer(WrappedOptimizer):
         self._local_steps += 1           # count
         self._steps_since_sync += 1
         self._skipped_since_sync += bool(skipped)
-        if self._stream is not None:  # per fragment: issue (count + async reduce) / merge when due
+        warmup = self._local_steps <= self.warmup_steps
+        if self._stream is not None and not warmup:  # per fragment: issue (count + async reduce) / merge
             if self._stream.due(self._stream.clock + 1):
                 self._check_before_sync()
             self._record(self._stream.on_step(worked=not skipped, active=True))
-        elif self._local_steps <= self.warmup_steps or self._steps_since_sync >= self.sync_every:
+        elif warmup or self._steps_since_sync >= self.sync_every:
+            if self._stream is not None and not skipped:
+                self._stream.count_step()
             self._sync()                 # sync -> outer step (the hooks)
         return loss
 
@@ -288,7 +291,8 @@ class LocalSGDOptimizer(WrappedOptimizer):
         try:
             if self._stream is not None:  # merge what is in flight, then every fragment, blocking
                 self._check_model_params()
-                self._record(self._stream.sync_all(active=not self._joined))
+                self._record(self._stream.sync_all(active=not self._joined,
+                                                   warmup=self._local_steps <= self.warmup_steps))
                 assert self.last_sync is not None
                 return self.last_sync
             point = SyncPoint(self._steps_since_sync - self._skipped_since_sync, self._sync_count + 1,

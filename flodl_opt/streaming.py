@@ -406,15 +406,22 @@ class StreamingSync:
         except Exception as exc:
             self._fail(f, exc)
 
-    def sync_all(self, active: bool) -> List[SyncStats]:
-        """Merge what is in flight now, then sync every fragment, blocking: ranks end identical."""
+    def sync_all(self, active: bool, warmup: bool = False) -> List[SyncStats]:
+        """Merge what is in flight now, then sync every fragment, blocking: ranks end identical.
+
+        ``warmup``: a warm-up sync (every step for the first N): plain averaging, after which each
+        fragment's outer anchor is the consensus, as a blocking warm-up sync rebases the outer optimizer."""
         out: List[SyncStats] = []
         if self.pending is not None:
             out += self._merge_checked()
         for p in range(len(self.fragments)):
             self._issue(p, active)
-            out += self._merge_checked(recover=False)
+            out += self._merge_checked(recover=False, plain=warmup)
         return out
+
+    def count_step(self) -> None:
+        """A warm-up step: it counts as work for every fragment; the schedule starts after warm-up."""
+        self.since = [n + 1 for n in self.since]
 
     # -------------------------------------------------------------- issue
     def _issue(self, p: int, active: bool) -> None:
@@ -489,9 +496,9 @@ class StreamingSync:
         self.since[f.fragment] += f.steps
         raise SyncError(self.rank, f.sync, exc, True) from exc
 
-    def _merge_checked(self, recover: bool = True) -> List[SyncStats]:
+    def _merge_checked(self, recover: bool = True, plain: bool = False) -> List[SyncStats]:
         f_active = self.pending.active if self.pending is not None else True
-        stats = self._merge()
+        stats = self._merge(plain)
         out = [stats]
         if recover and stats.nonfinite_ranks > 0:
             # A rank that went NaN/Inf is NaN everywhere after its next backward: one fragment
@@ -514,7 +521,7 @@ class StreamingSync:
         except Exception as exc:
             self._fail(f, exc)
 
-    def _merge(self) -> SyncStats:
+    def _merge(self, plain: bool = False) -> SyncStats:
         f = self.pending
         assert f is not None
         t0 = time.perf_counter()
@@ -553,7 +560,7 @@ class StreamingSync:
         n_params = len(frag.params)
         sent, buf = self._sent[f.fragment], self._buf[f.fragment]
         lives = self._live(frag)
-        outer_step = bool(self._outers) and not isinstance(self.outer, OuterAvg)
+        outer_step = bool(self._outers) and not isinstance(self.outer, OuterAvg) and not plain
         keep_steps = f.local_steps > 0 and not f.nonfinite  # else: exactly the blocking result
         wired = self.wire is not None
         with torch.no_grad():
@@ -574,6 +581,8 @@ class StreamingSync:
                                      normalized=wired)
                 if wired:
                     self.wire.commit(f.fragment, buf[:n_params])
+                if plain and self._outers and self.outer.needs_anchor:  # the outer starts from the warm-up's C
+                    self._outers[f.fragment].rebase([_Proxy(b) for b in buf[:n_params]])
         if self.readout and post:
             post_sq = float(torch.stack([q.double() for q in post]).sum())
             diff_sq = float(torch.stack([q.double() for q in diff]).sum())

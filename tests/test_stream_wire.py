@@ -265,3 +265,39 @@ def test_world_of_one_compressed_streaming_is_the_float32_path():
         _train(model, opt, 0, 20)
         out[wire] = _flat(model)
     assert np.array_equal(out["fp32"], out["int8"])
+
+
+def _warmup_run(rank, world, wire):
+    out = {}
+    for name, kw in (("stream", {"fragments": 2, "overlap_steps": 1, "wire": wire}), ("blocking", {})):
+        model = _mlp(0)
+        opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,
+                                    sync_every=8, warmup_steps=3, outer=flo.DiLoCo(lr=0.8, momentum=0.5, warmup=0),
+                                    stall_warning_s=None, **kw)
+        seen = []
+        _train(model, opt, rank, 6, after=lambda t: seen.append(_flat(model)))
+        out[name] = {"seen": seen, "anchor_after": opt.outer.anchor[0].double().numpy().copy(),
+                     "syncs": opt.sync_count}
+        if name == "stream":
+            model2 = _mlp(0)
+            opt2 = flo.LocalSGDOptimizer(torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9), model=model2,
+                                         sync_every=8, warmup_steps=3, outer=flo.DiLoCo(lr=0.8, momentum=0.5, warmup=0),
+                                         stall_warning_s=None, **kw)
+            _train(model2, opt2, rank, 3)
+            out["anchor_at_3"] = (opt2.outer.anchor[0].double().numpy().copy(),
+                                  opt2.flat_params[0].flat.double().numpy().copy())
+    return out
+
+
+@pytest.mark.parametrize("wire", ["fp32", "int8"])
+def test_warmup_syncs_every_step_then_streams(wire):
+    a, b = run_ranks(_warmup_run, 2, wire, timeout=120)
+    for t in range(3):   # warm-up: every step a full plain average, as the blocking warm-up
+        assert np.array_equal(a["stream"]["seen"][t], b["stream"]["seen"][t])
+        np.testing.assert_allclose(a["stream"]["seen"][t], a["blocking"]["seen"][t], rtol=0,
+                                   atol=1e-6 if wire == "fp32" else 1e-3)
+    assert not np.array_equal(a["stream"]["seen"][4], b["stream"]["seen"][4]), "after warm-up: local steps"
+    anchor, params = a["anchor_at_3"]
+    assert np.array_equal(anchor, params), "the outer optimizer starts from the warm-up's consensus"
+    # 2 fragment syncs per warm-up step; the schedule starts after warm-up (fragment 1 first at step 3 + 4)
+    assert a["stream"]["syncs"] == 3 * 2

@@ -360,14 +360,12 @@ def test_peer_killed_with_a_fragment_in_flight_survivor_keeps_local_weights_and_
     ({"fragments": 0}, "fragments must be an int >= 1"),
     ({"fragments": True}, "fragments must be an int"),
     ({"overlap_steps": -1}, "overlap_steps must be an int >= 0"),
-    ({"fragments": 2, "warmup_steps": 4}, "warmup_steps"),
     ({"fragments": 2, "keep_presync": False}, "keep_presync"),
     ({"fragments": 2, "outer": "easgd"}, "'easgd' is not supported"),
     ({"overlap_steps": 1, "outer": flo.DiLoCo(reset_inner=True)}, "reset_inner=False"),
     ({"fragments": 16, "sync_every": 16}, "more than the 8 synced param tensors"),
     ({"fragments": 4, "overlap_steps": 2, "sync_every": flo.AdaptiveSync(max_every=8)},
      "at least 12 (overlap_steps < K/fragments), but max_every=8: raise max_every to >= 12"),
-    ({"fragments": 2, "sync_every": "auto", "warmup_steps": 2}, "warmup_steps"),
 ])
 def test_unsupported_streaming_combinations_refuse_clearly(kwargs, words):
     model = _mlp()

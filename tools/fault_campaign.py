@@ -622,7 +622,8 @@ def judge_nan(t: Trial, res: JobResult, ref: Reference, cfg: Config) -> None:
     events = read_events(res.dir)
     sync = t.step // cfg.sync_every + 1
     warned = any(e["event"] == "warning" and e["rank"] == t.rank and e["category"] == "NonFiniteWarning"
-                 and f"rank {t.rank}'s params were NaN/Inf at sync #{sync}" in e["message"] for e in events)
+                 and f"rank {t.rank}'s params or float buffers were NaN/Inf at sync #{sync}" in e["message"]
+                 for e in events)
     done = [e for e in events if e["event"] == "done"]
     attempts = {e["attempt"] for e in events}
     if res.hang:

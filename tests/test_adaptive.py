@@ -435,7 +435,7 @@ def _stream_resume(rank, total, cut, outer):
         return model, _stream_opt(model, AdaptiveSync(min_every=2, max_every=16, target=0.1, initial=4),
                                   outer)
     return _train_with_cut(build, rank, total, cut,
-                           lambda opt: (opt.sync_every, opt._stream.pending is not None))
+                           lambda opt: (opt.sync_every, opt.stream.pending is not None))
 
 
 def rank_stream_resume(rank, world):

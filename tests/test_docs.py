@@ -9,8 +9,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import check_doc_links  # noqa: E402
 
-# Pages that other work adds; a link to them may come first.
-PENDING = {"docs/architecture.md"}
 
 
 def _read(rel):
@@ -19,9 +17,7 @@ def _read(rel):
 
 
 def test_every_relative_markdown_link_resolves():
-    problems = [p for rel in check_doc_links.markdown_files() for p in check_doc_links.broken_links(rel)
-                if not any(f"{os.path.basename(page)} (no such file)" in p for page in PENDING
-                           if not os.path.exists(os.path.join(ROOT, page)))]
+    problems = [p for rel in check_doc_links.markdown_files() for p in check_doc_links.broken_links(rel)]
     assert not problems, "broken links:\n" + "\n".join(problems)
 
 

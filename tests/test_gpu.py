@@ -176,8 +176,8 @@ def test_nccl_world_of_one_optimizer_sync_is_identity(nccl_one):
     # SGD: AdamW's eps underflows in float16 state, which would make the fp16 param non-finite.
     opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9), model=model,
                                 sync_every=3)
-    _force_collectives(opt._consensus)
-    n_buffers = len(opt._param_groups_flat) + len(opt._buffer_groups_flat)
+    _force_collectives(opt.consensus)
+    n_buffers = len(opt.flat_params) + len(opt.flat_buffers)
     assert n_buffers == 4  # f32 params, bf16 params, f16 params, f32 BatchNorm stats
     syncs = 0
     for _ in range(12):
@@ -286,7 +286,7 @@ def test_stream_stress_matches_float64_replay(nccl_one, monkeypatch, mode, outer
         inner, model=model, outer=flo.DiLoCo(lr=OUTER_LR, momentum=OUTER_MU, warmup=0) if outer == "diloco" else None,
         sync_every=sync_every if mode == "in_step" else 10 ** 9,
         keep_presync=not slim, nonfinite_guard=not slim)
-    _force_collectives(opt._consensus)
+    _force_collectives(opt.consensus)
     if BREAK == "fence":
         opt._stream_fence = False
     elif BREAK == "nccl_wait":
@@ -523,7 +523,7 @@ def rank_wire_bound_cuda(rank, world, mode):
     p = nn.Parameter(torch.randn(tw.N).to(dev))
     opt = flo.LocalSGDOptimizer(torch.optim.SGD([p], lr=0.1), sync_every=10 ** 9, wire=mode,
                                 stall_warning_s=None)
-    assert opt._wire is not None and opt._wire._groups[0].x.device == dev
+    assert opt.wire is not None and opt.wire._groups[0].x.device == dev
     cases = {2: [(1, 3), (0, 2), (2, 2)], 3: [(1, 4, 2), (0, 3, 1), (2, 2, 2), (1, 2, 3)]}[world]
     worst = []
     for t, steps in enumerate(cases):
@@ -608,7 +608,7 @@ def rank_stream_merge_cuda(rank, world, sync_every, fragments, tau, steps):
     final = [p.detach().cpu() for p in model.parameters()]
     same = all(torch.equal(a, b) for a, b in zip(gather_object(final)[0], final))
     return {"init": init, "pre": pre, "post": post, "same": same,
-            "frag_tensors": [f.tensors for f in opt._stream.fragments]}
+            "frag_tensors": [f.tensors for f in opt.stream.fragments]}
 
 
 def _check_stream_reference(r0, r1, sync_every, fragments, tau, steps):
@@ -667,7 +667,7 @@ def _stream_nccl_run(dev, force: bool, steps: int):
                                 sync_every=16, fragments=4, overlap_steps=2, outer="diloco",
                                 stall_warning_s=None)
     if force:   # a world of one makes no collectives: drive the NCCL async path anyway
-        opt._stream.distributed = True
+        opt.stream.distributed = True
     seen = {"collectives": 0, "bytes": 0}
     s = torch.cuda.Stream(dev)
     s.wait_stream(torch.cuda.current_stream(dev))

@@ -65,12 +65,12 @@ def test_wrapped_model_saves_and_loads_bit_for_bit_through_safetensors(tmp_path)
     assert not missing and not unexpected
     for k, v in fresh.state_dict().items():
         assert torch.equal(_bits(v), _bits(want[k])), k
-    for g in opt2._param_groups_flat + opt2._buffer_groups_flat:
+    for g in opt2.flat_params + opt2.flat_buffers:
         assert g.check_bound() == 0  # still views of the flat buffers, nothing to adopt
     p0 = next(fresh.parameters())
     with torch.no_grad():
         p0.add_(1.0)
-    assert torch.equal(opt2._param_groups_flat[0].flat[:p0.numel()], p0.detach().flatten())
+    assert torch.equal(opt2.flat_params[0].flat[:p0.numel()], p0.detach().flatten())
     opt2.sync()
 
 
@@ -316,7 +316,7 @@ def test_params_copied_after_wrapping_are_adopted_and_a_dtype_change_is_refused(
     model.load_state_dict(ref.state_dict())
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, sync_every=2)
-    flat = opt._param_groups_flat[0].flat
+    flat = opt.flat_params[0].flat
     model.to(torch.device("cpu", 0))  # what accelerator.prepare(model) does: a copy, same device
     assert model.weight.data_ptr() != flat.data_ptr()
     for step in range(4):

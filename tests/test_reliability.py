@@ -54,7 +54,7 @@ def _peer_dies_mid_sync(outer, rank, world, out):
         opt.sync()
     _local_steps(model, opt, rank, 3)
     pre = _flat(model).clone()
-    cons = opt._consensus
+    cons = opt.consensus
     if rank == 1:  # take part in the count and the first chunk of the reduce, then die
         real_all_reduce, works = dist.all_reduce, []
 

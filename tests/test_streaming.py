@@ -70,14 +70,14 @@ def _schedule(rank, world):
     events, seen = [], [0]
 
     def after(t):  # (step, fragment in flight, fragment merged in this step, its bytes)
-        pending = opt._stream.pending
+        pending = opt.stream.pending
         merged = opt.last_sync if opt.sync_count != seen[0] else None
         seen[0] = opt.sync_count
         events.append((t, None if pending is None else pending.fragment,
                        None if merged is None else merged.fragment, None if merged is None else merged.bytes))
     _train(model, opt, rank, 20, after=after)
-    frags = [([(s.index, s.start, s.end) for s in f.params], f.bytes) for f in opt._stream.fragments]
-    offsets = [(g.offsets, g.numel) for g in opt._param_groups_flat]
+    frags = [([(s.index, s.start, s.end) for s in f.params], f.bytes) for f in opt.stream.fragments]
+    offsets = [(g.offsets, g.numel) for g in opt.flat_params]
     return {"events": events, "frags": frags, "offsets": offsets,
             "sizes": [p.numel() for p in model.parameters()]}
 
@@ -98,7 +98,7 @@ def _merge_reference_run(rank, world):
     inner.register_step_post_hook(hook)
     _train(model, opt, rank, 9, after=lambda t: post.__setitem__(t, _params64(model)))
     return {"init": init, "pre": pre, "post": post,
-            "frag_tensors": [f.tensors for f in opt._stream.fragments]}
+            "frag_tensors": [f.tensors for f in opt.stream.fragments]}
 
 
 def _resume_run(rank, world):
@@ -189,7 +189,7 @@ def _defaults_run(rank, world, base_dir):
             opt = lib.LocalSGDOptimizer(inner, model=model, sync_every=3, outer=spec, max_grad_norm=1.0,
                                         stall_warning_s=None, **(kwargs or {}))
             if kwargs is not None:
-                out.setdefault("stream", []).append(opt._stream is None)
+                out.setdefault("stream", []).append(opt.stream is None)
             _train(model, opt, rank, 10)
             opt.sync()
             out[(name, outer)] = _flat(model)
@@ -338,8 +338,8 @@ def _peer_dies_in_flight(rank, world, out):
     return sync_error_verdict(
         out, lambda: _train(model, opt, rank, 3, start=3),   # issue at 4, merge at 6
         lambda exc: {"msg": str(exc), "sync": exc.sync, "restored": exc.restored, "at": len(pre) + 3,
-                     "equal": np.array_equal(_flat(model), pre[6]), "since": list(opt._stream.since),
-                     "pending": opt._stream.pending, "syncs": opt.sync_count})
+                     "equal": np.array_equal(_flat(model), pre[6]), "since": list(opt.stream.since),
+                     "pending": opt.stream.pending, "syncs": opt.sync_count})
 
 
 def test_peer_killed_with_a_fragment_in_flight_survivor_keeps_local_weights_and_raises(tmp_path):

@@ -119,8 +119,8 @@ def rank_training(rank, world, mode, outer, ef):
     model = _model()
     opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), model=model, sync_every=2,
                                 outer=outer, wire=mode, error_feedback=ef, stall_warning_s=None)
-    if outer == "diloco" and opt._wire is not None:  # the wire shares DiLoCo's anchor, no second copy
-        assert opt._wire._groups[0].anchor is opt.outer.anchor[0]
+    if outer == "diloco" and opt.wire is not None:  # the wire shares DiLoCo's anchor, no second copy
+        assert opt.wire._groups[0].anchor is opt.outer.anchor[0]
     g = torch.Generator().manual_seed(rank)
     syncs = 0
     for step in range(1, 7 + rank % 2):  # rank 1 of 3 does one more step: uneven work at the end
@@ -279,13 +279,13 @@ def rank_fp32(rank, world, explicit):
     kw = {"wire": "fp32"} if explicit else {}
     opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), model=model, sync_every=2,
                                 outer="diloco", stall_warning_s=None, **kw)
-    assert opt._consensus.wire is None  # the float32 reduce, untouched
+    assert opt.consensus.wire is None  # the float32 reduce, untouched
     g = torch.Generator().manual_seed(rank)
     for _ in range(6):
         opt.zero_grad()
         model(torch.randn(16, 12, generator=g)).pow(2).mean().backward()
         opt.step()
-    numel = sum(gr.numel for gr in opt._param_groups_flat + opt._buffer_groups_flat)
+    numel = sum(gr.numel for gr in opt.flat_params + opt.flat_buffers)
     assert opt.last_sync.bytes == COUNT_BYTES + 4 * numel  # count + every float32 element handed over
     return torch.cat([t.detach().view(-1) for t in model.parameters()]).numpy()
 

@@ -12,8 +12,9 @@ from .adaptive import AdaptiveSync
 from .consensus import SyncStats
 from .dcp import DCPState
 from .checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
-from .errors import (AveragedElsewhereWarning, CollectiveMismatchError, ConfigError, NonFiniteError,
-                     NonFiniteWarning, SyncError)
+from .errors import (AveragedElsewhereWarning, CollectiveMismatchError, ConfigError, ForeignMomentsWarning,
+                     ForeignRankStateWarning, InexactResumeWarning, NonFiniteError, NonFiniteWarning, SyncError,
+                     UnsyncedExitWarning)
 from .horovod import (Adasum, Average, Compression, DistributedOptimizer, Max, Min, Product, Sum,
                       allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters,
                       ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
@@ -25,6 +26,8 @@ from .collectives import (allgather, allgather_async, allreduce, allreduce_, all
 from .launch import (backend, device, init, is_initialized, launch_info, local_rank, local_size, rank,
                      shutdown, size)
 from .optimizer import LocalSGDOptimizer
+from . import provenance
+provenance.track(LocalSGDOptimizer)  # live optimizers: exit warnings, DCP in-place loads
 from .outer import DiLoCo, EASGD, OuterAvg, OuterOptimizer, SlowMo, TorchOuter
 
 __version__ = "0.1.0"
@@ -38,7 +41,8 @@ __all__ = [
     "allreduce_", "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object",
     "broadcast_parameters", "broadcast_optimizer_state", "allreduce_async", "allreduce_async_",
     "allgather_async", "broadcast_async", "broadcast_async_", "poll", "synchronize", "join", "barrier",
-    "AveragedElsewhereWarning", "DCPState",
+    "AveragedElsewhereWarning", "DCPState", "InexactResumeWarning", "ForeignRankStateWarning",
+    "ForeignMomentsWarning", "UnsyncedExitWarning",
     "CollectiveMismatchError", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "nccl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "cuda_built", "rocm_built", "ccl_built", "ddl_built",

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ddp, launch
+from . import provenance  # who saved a state dict, live optimizers (flodl_opt/provenance.py)
 from .adaptive import AdaptiveSync, make_adaptive, share_drift
 from .amp import scaler_says_skip
 from .consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
@@ -607,6 +608,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
             sd[STATE_KEY]["moments"] = self._moments.state_dict()
         if self._drift is not None:
             sd[STATE_KEY]["drift"] = self._drift.state_dict()
+        provenance.stamp(self, sd)  # which rank saved it, when (flodl_opt/provenance.py)
         return sd
 
     def check_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:
@@ -645,6 +647,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         """Restore an exact resume point. ``strict=False`` allows a changed sync_every/gamma/warmup.
 
         Everything is checked first (``check_state_dict``): a refused state dict changes nothing."""
+        state_dict = provenance.on_load(self, state_dict, strict)  # another rank's? (provenance.py)
         self.check_state_dict(state_dict, strict)
         sd = dict(state_dict)
         ours = sd.pop(STATE_KEY)

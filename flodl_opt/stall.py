@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import logging
 import threading
 import time
@@ -46,25 +47,44 @@ _JOIN_S = 5.0  # a store call on a dead host fails well within this
 
 
 def close_all(timeout: float = _JOIN_S) -> None:
-    """Stop every live watchdog and wait for its thread (``flo.shutdown()`` and exit call it)."""
+    """``flo.shutdown()``: warn of optimizers with steps since their last sync, then stop every
+    live watchdog and wait for its thread."""
+    from .provenance import warn_unsynced
+    warn_unsynced("flo.shutdown()")
+    _close_all(timeout)
+
+
+def _close_all(timeout: float = _JOIN_S) -> None:
     for watch in list(_live):
         watch.close(timeout)
 
 
-atexit.register(close_all)
+atexit.register(_close_all)
 
 
-def _default_store():
+# A watchdog store call that takes longer than this counts as "the store is not answering".
+# The store lives in rank 0's process: a hung rank 0 (SIGSTOP, a GIL-holding deadlock) takes it
+# along, and a call with the store's own timeout (the process group's, minutes) would hold the
+# watchdog thread past every warning it should give.
+_STORE_CALL_S = 5.0
+
+
+def _default_store(call_timeout_s: float = _STORE_CALL_S):
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:  # private API moved, or no store (a world of one): no peer report
         return None
     try:
         # A connection of the watchdog's own, so its thread never shares a socket with the
-        # training thread's store calls (Store.clone, torch >= 2.5).
-        return store.clone()
+        # training thread's store calls (Store.clone, torch >= 2.5), and can have a short timeout.
+        own = store.clone()
     except Exception:
         return store
+    try:
+        own.set_timeout(datetime.timedelta(seconds=call_timeout_s))
+    except Exception:  # a store without set_timeout: its own timeout applies
+        pass
+    return own
 
 
 class StallWatchdog:
@@ -84,7 +104,9 @@ class StallWatchdog:
         self.threshold_s = float(threshold_s)
         self.ranks: List[int] = list(ranks) if ranks is not None else []
         self.rank, self.tag = rank, tag
-        self.store = store if store is not None else (_default_store() if self.ranks else None)
+        self.store = store if store is not None else (
+            _default_store(min(_STORE_CALL_S, self.threshold_s / 2)) if self.ranks else None)
+        self._store_down = False               # the last store call failed or timed out
         self._cond = threading.Condition()
         self._current: Optional[int] = None   # sync number this rank is in, None between syncs
         self._entered = 0.0
@@ -151,8 +173,9 @@ class StallWatchdog:
         try:
             self.store.set(self._key(self.rank), str(n))
             self._published = n
-        except Exception:  # the store is gone (its host died): the report will say so
-            pass
+            self._store_down = False
+        except Exception:  # the store is gone or hung with its host: the report says so
+            self._store_down = True
 
     def missing(self, n: int) -> Optional[List[int]]:
         """Ranks of the group whose last published sync number is below ``n`` (None: unknown)."""
@@ -167,13 +190,19 @@ class StallWatchdog:
                 # check() does not block on a missing key, get() would (until the store timeout).
                 if not self.store.check([key]) or int(self.store.get(key)) < n:
                     out.append(r)
+            self._store_down = False
             return out
         except Exception:
+            self._store_down = True
             return None
 
     def _report(self, n: int, waited: float) -> None:
         missing = self.missing(n)
-        if missing is None:
+        if missing is None and self._store_down:
+            who = ("the key-value store is not answering (it lives in rank 0's process, or in the "
+                   "launcher's agent under torchrun), so rank 0 or its host may be hung or dead; which "
+                   "ranks have not arrived cannot be told")
+        elif missing is None:
             who = "the store cannot tell which ranks have not arrived"
         elif missing:
             who = f"ranks {missing} have not arrived (dead, hung, or slower by that much?)"

@@ -193,6 +193,8 @@ def accelerate_state(accelerator: Any, optimizer: Any) -> None:
                           "flo.LocalSGDOptimizer(torch_opt, model=model); model, opt = "
                           "accelerator.prepare(model, opt)")
 
+    opt._find_late_ddp()  # prepare() built DDP after the optimizer: local from the first backward
+
     def before_save(models: List[Any], weights: List[Any], output_dir: str) -> None:
         if not _at_sync(opt):
             opt.sync()  # every rank calls save_state: the weights written are then every rank's

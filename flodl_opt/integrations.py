@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -88,27 +89,30 @@ class LocalSGDCallback:
                               "with opt = flo.LocalSGDOptimizer(...)")
         return opt
 
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # A resuming Trainer loads rank 0's optimizer.pt into every rank before any other event:
+        # this rank's own goes in instead, found when that load happens.
+        opt = find_local_sgd(kwargs.get("optimizer"))
+        if opt is not None:
+            ref = weakref.ref(opt)  # the registry holds opt weakly: so must this
+            provenance.substitute(opt, lambda: self._own_state(args, ref()))
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer has wrapped the model in DDP by now: make it local before the first
         # backward (found at the first step() instead, that backward would be averaged).
-        opt = self._optimizer(kwargs)
-        opt._find_late_ddp()
+        self._optimizer(kwargs)._find_late_ddp()
         self._resume_checked = False
-        # Resuming: the Trainer loads rank 0's optimizer.pt next; this rank's own goes in instead.
-        where = self.resume_from or _trainer_resume_dir()
-        if where is not None:
-            path = os.path.join(where, STATE_FILE.format(rank=_rank(opt)))
-            if os.path.exists(path):
-                provenance.substitute(opt, torch.load(path, map_location="cpu", weights_only=False), path)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # The Trainer loads rank 0's optimizer.pt into every rank after on_train_begin: each
-        # rank's own state goes in on top, before the first step of the resumed run.
+        # Each rank's own state, before the first step of a resumed run (again, if on_init_end's
+        # substitute already put it in; and also when the callback was added after __init__).
         if self._resume_checked:
             return
         self._resume_checked = True
+        opt = self._optimizer(kwargs)
+        provenance.substitute(opt, None)  # training has begun: no later load is the Trainer's resume
         if state.global_step > 0:
-            self._load(args, state, self._optimizer(kwargs))
+            self._load(args, state, opt)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = self._optimizer(kwargs)
@@ -124,19 +128,28 @@ class LocalSGDCallback:
         if not _at_sync(opt):
             opt.sync()
 
-    def _load(self, args: Any, state: Any, opt: LocalSGDOptimizer) -> None:
+    def _own_path(self, args: Any, opt: LocalSGDOptimizer, global_step: Optional[int]) -> Optional[str]:
         where = self.resume_from or _trainer_resume_dir()
         given = getattr(args, "resume_from_checkpoint", None)
         if where is None and isinstance(given, str) and os.path.isdir(given):
             where = given
-        if where is None:
-            where = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        path = os.path.join(where, STATE_FILE.format(rank=_rank(opt)))
+        if where is None and global_step is not None:
+            where = os.path.join(args.output_dir, f"checkpoint-{global_step}")
+        return os.path.join(where, STATE_FILE.format(rank=_rank(opt))) if where is not None else None
+
+    def _own_state(self, args: Any, opt: Optional[LocalSGDOptimizer]) -> Optional[Dict[str, Any]]:
+        path = self._own_path(args, opt, None) if opt is not None else None
+        if path is None or not os.path.exists(path):
+            return None
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+    def _load(self, args: Any, state: Any, opt: LocalSGDOptimizer) -> None:
+        path = self._own_path(args, opt, state.global_step)
         if not os.path.exists(path):
             warnings.warn(f"flodl_opt: resumed at step {state.global_step} but {path} does not exist: "
                           "every rank continues from rank 0's optimizer state (the Trainer's "
                           "optimizer.pt). Pass LocalSGDCallback(resume_from=<checkpoint dir>) if the "
-                          "checkpoint is elsewhere.", stacklevel=2)
+                          "checkpoint is elsewhere.", InexactResumeWarning, stacklevel=2)
             return
         opt.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
 
@@ -208,7 +221,7 @@ def accelerate_state(accelerator: Any, optimizer: Any) -> None:
                           "loads the optimizer state accelerator.save_state wrote, rank 0's",
                           InexactResumeWarning, stacklevel=2)
             return
-        provenance.substitute(opt, torch.load(path, map_location="cpu", weights_only=False), path)
+        provenance.substitute(opt, torch.load(path, map_location="cpu", weights_only=False))
 
     accelerator.register_save_state_pre_hook(before_save)
     accelerator.register_load_state_pre_hook(before_load)
@@ -237,6 +250,13 @@ def _lightning_callback_class() -> type:
             trainer = L.Trainer(..., callbacks=[LocalSGDLightningCallback()])
             trainer.fit(module, ckpt_path="last.ckpt")   # resumes every rank exactly
         """
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            # The strategy's DDP wrapper exists now: local from the first backward (found at the
+            # first step() instead, that backward, the first after every resume, is averaged).
+            for o in trainer.optimizers:
+                if find_local_sgd(o) is not None:
+                    find_local_sgd(o)._find_late_ddp()
 
         def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
             opts = [find_local_sgd(o) for o in trainer.optimizers]

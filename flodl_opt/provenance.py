@@ -30,7 +30,7 @@ import functools
 import warnings
 import weakref
 import zlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ EXACT_WAYS = ("flo.save_checkpoint / flo.load_checkpoint, flo.DCPState with torc
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _world: "weakref.WeakKeyDictionary[Any, Tuple[int, int]]" = weakref.WeakKeyDictionary()  # (rank, size)
 _warned_at: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # local_steps warned at
-_substitute: "weakref.WeakKeyDictionary[Any, Tuple[Dict[str, Any], str]]" = weakref.WeakKeyDictionary()
+_substitute: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _via_wrapper: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
@@ -149,18 +149,27 @@ def stamp(opt: Any, sd: Dict[str, Any]) -> None:
     }
 
 
-def substitute(opt: Any, sd: Dict[str, Any], source: str) -> None:
-    """The next ``opt.load_state_dict(x)`` loads ``sd`` (this rank's own state) instead of ``x``.
+def substitute(opt: Any, own: Union[Dict[str, Any], Callable[[], Optional[Dict[str, Any]]], None]) -> None:
+    """The next ``opt.load_state_dict(x)`` loads ``own`` (this rank's own state) instead of ``x``.
 
-    For integrations whose framework loads rank 0's file into every rank after a point where
-    the integration could read the rank's own."""
-    _substitute[opt] = (sd, source)
+    For integrations whose framework loads rank 0's file into every rank. ``own`` may be a
+    callable, asked at each load until it returns a state dict (it can find the checkpoint the
+    framework is loading from); ``None`` cancels."""
+    if own is None:
+        _substitute.pop(opt, None)
+    else:
+        _substitute[opt] = own
 
 
 def on_load(opt: Any, sd: Dict[str, Any], strict: bool = True) -> Dict[str, Any]:
     """Check ``sd`` before ``LocalSGDOptimizer.load_state_dict`` loads it; return what to load."""
-    if opt in _substitute:
-        sd, _ = _substitute.pop(opt)
+    own = _substitute.get(opt)
+    if callable(own):  # kept until cancelled: a framework may load more than once
+        own = own()
+    elif own is not None:
+        _substitute.pop(opt, None)
+    if own is not None:
+        sd = own
     opt.check_state_dict(sd, strict)  # a foreign or old state dict gets the usual error first
     record = sd[STATE_KEY].get(RECORD_KEY)
     if record is not None:

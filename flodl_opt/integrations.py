@@ -257,6 +257,9 @@ def _lightning_callback_class() -> type:
             for o in trainer.optimizers:
                 if find_local_sgd(o) is not None:
                     find_local_sgd(o)._find_late_ddp()
+            own, self._own_weights = getattr(self, "_own_weights", None), None
+            if own is not None:  # after the optimizer's initial broadcast of rank 0's weights
+                pl_module.load_state_dict(own)
 
         def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
             opts = [find_local_sgd(o) for o in trainer.optimizers]
@@ -287,9 +290,10 @@ def _lightning_callback_class() -> type:
             mine = pieces[trainer.global_rank]
             checkpoint["optimizer_states"] = [own if own is not None else saved for own, saved in
                                               zip(mine["optimizer_states"], checkpoint["optimizer_states"])]
-            if mine["state_dict"] is not None:  # Lightning restored rank 0's weights just before
+            if mine["state_dict"] is not None:  # between syncs: this rank's weights, not rank 0's
                 checkpoint["state_dict"] = mine["state_dict"]
-                pl_module.load_state_dict(mine["state_dict"])
+                # the optimizer, built after this, broadcasts rank 0's: loaded again at train start
+                self._own_weights = mine["state_dict"]
 
     return LocalSGDLightningCallback
 

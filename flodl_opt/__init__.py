@@ -13,8 +13,9 @@ from .consensus import SyncStats
 from .dcp import DCPState
 from .checkpoint import (CheckpointSyncError, CheckpointWriteError, UnsafeCheckpointWarning, load_checkpoint,
                          save_checkpoint, wait_checkpoint)
-from .errors import (AveragedElsewhereWarning, CollectiveMismatchError, ConfigError, NonFiniteError,
-                     NonFiniteWarning, SyncError)
+from .errors import (AveragedElsewhereWarning, CollectiveMismatchError, ConfigError, ForeignMomentsWarning,
+                     ForeignRankStateWarning, InexactResumeWarning, NonFiniteError, NonFiniteWarning, SyncError,
+                     UnsyncedExitWarning)
 from .horovod import (Adasum, Average, Compression, DistributedOptimizer, Max, Min, Product, Sum, allgather,
                       allgather_async, allgather_object, allreduce, allreduce_, allreduce_async,
                       allreduce_async_, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
@@ -40,7 +41,8 @@ __all__ = [
     "allreduce_", "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object",
     "broadcast_parameters", "broadcast_optimizer_state", "allreduce_async", "allreduce_async_",
     "allgather_async", "broadcast_async", "broadcast_async_", "poll", "synchronize", "join", "barrier",
-    "AveragedElsewhereWarning", "DCPState",
+    "AveragedElsewhereWarning", "DCPState", "InexactResumeWarning", "ForeignRankStateWarning",
+    "ForeignMomentsWarning", "UnsyncedExitWarning",
     "CollectiveMismatchError", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async", "nccl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "cuda_built", "rocm_built", "ccl_built", "ddl_built",

@@ -444,6 +444,11 @@ def _is_numpy(obj: Any) -> bool:
     return type(obj).__module__ == "numpy" and hasattr(obj, "dtype") and hasattr(obj, "tobytes")
 
 
+def _is_model_state_dict(obj: Any) -> bool:
+    from .dcp import ModelStateDict
+    return type(obj) is ModelStateDict
+
+
 def _plain(obj: Any, copy: bool, what: str = "extra", path: Optional[List[Any]] = None) -> Any:
     """``obj`` as plain data for the file: tensors on CPU (copied when ``copy``: the background
     writer must not see later steps), numpy as tagged bytes; anything else is a ConfigError."""
@@ -458,8 +463,8 @@ def _plain(obj: Any, copy: bool, what: str = "extra", path: Optional[List[Any]] 
         return t.clone() if copy else t
     if kind in _LEAVES:
         return obj
-    if kind in (dict, OrderedDict):
-        out = kind()
+    if kind in (dict, OrderedDict) or _is_model_state_dict(obj):
+        out = dict() if kind is dict else OrderedDict()  # a wrapped model's (flodl_opt/dcp.py): a plain one
         for k, v in obj.items():
             if type(k) not in _LEAVES:
                 raise _not_plain(k, what, path + ["<key>"])

@@ -6,9 +6,17 @@ always, the weights between syncs), so ``dcp.save({"optim": opt.state_dict()})``
 say, one param's ``exp_avg`` from rank 0 and its ``exp_avg_sq`` from rank 1. ``DCPState`` saves
 what is per rank under a key of its own per rank; with ``replicated_weights=True`` the weights,
 which every rank holds bit for bit at a sync point, go in as DCP replicas, stored once.
+
+A plain ``dcp.load({"model": model.state_dict(), ...})`` loads in place, into the tensors of the
+dict it is given; a wrapped model's ``state_dict()`` hands out copies (its params are views of
+one flat buffer, flodl_opt/flat.py), so in place alone would restore nothing. The state dict a
+wrapped model returns is therefore also a DCP ``Stateful``: ``dcp.load`` calls its
+``load_state_dict`` after filling it, which loads the model (:func:`load_in_place`).
 """
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from typing import Any, Dict, Tuple
 
 import torch
@@ -90,3 +98,57 @@ class DCPState:
                               f"{sorted(saved - expected)[:4]})")
         inner.load_state_dict(model_sd)
         self.optimizer.load_state_dict(opt_sd)
+
+
+class ModelStateDict(OrderedDict):
+    """A wrapped model's ``state_dict()``: a plain state dict that ``dcp.load`` also loads back.
+
+    ``torch.distributed.checkpoint`` treats a value with ``state_dict``/``load_state_dict``
+    as ``Stateful``: on load it fills ``state_dict()``'s tensors in place, then calls
+    ``load_state_dict`` with them, which copies them into the model. It pickles as a plain
+    ``OrderedDict`` (``torch.load(weights_only=True)`` reads it without flodl_opt).
+    """
+
+    _flodl_module: Any = None  # weakref to the module it came from
+
+    def state_dict(self) -> "OrderedDict[str, Any]":
+        out = OrderedDict(self)  # the same tensors: dcp.load fills them in place
+        meta = getattr(self, "_metadata", None)
+        if meta is not None:
+            out._metadata = meta  # type: ignore[attr-defined]
+        return out
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        module = self._flodl_module() if self._flodl_module is not None else None
+        if module is None:
+            raise ConfigError("flodl_opt: the model this state dict came from is gone; load it with "
+                              "model.load_state_dict(sd)")
+        loaded = OrderedDict(state_dict)
+        meta = getattr(state_dict, "_metadata", None) or getattr(self, "_metadata", None)
+        if meta is not None:
+            loaded._metadata = meta  # type: ignore[attr-defined]
+        module.load_state_dict(loaded)
+
+    def __reduce__(self):
+        cls, args, state, listitems, dictitems = super().__reduce__()[:5]
+        state = {k: v for k, v in (state or {}).items() if k != "_flodl_module"} or None
+        return OrderedDict, args, state, listitems, dictitems
+
+
+def _as_loading(module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> Any:
+    if prefix or not isinstance(state_dict, OrderedDict) or isinstance(state_dict, ModelStateDict):
+        return None  # a submodule's part (the top-level call returns the dict), or done already
+    out = ModelStateDict(state_dict)
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        out._metadata = meta  # type: ignore[attr-defined]
+    out._flodl_module = weakref.ref(module)
+    return out
+
+
+def load_in_place(model: nn.Module) -> None:
+    """Make ``model.state_dict()`` (and its unwrapped module's) a :class:`ModelStateDict`."""
+    for m in {id(m): m for m in (model, unwrap_model(model))}.values():
+        if not getattr(m, "_flodl_opt_dcp_hook", False):
+            m._register_state_dict_hook(_as_loading)
+            m._flodl_opt_dcp_hook = True

@@ -51,3 +51,23 @@ class AveragedElsewhereWarning(UserWarning):
     Something else averaged the gradients every step (a DDP model flodl_opt was not given, a
     framework's own DDP wrapper), so no local SGD happened; or every rank trains on the same data.
     """
+
+
+class InexactResumeWarning(UserWarning):
+    """A load that does not resume this rank exactly where it stopped (the message says why and
+    what to do instead)."""
+
+
+class ForeignRankStateWarning(InexactResumeWarning):
+    """This rank loaded the optimizer state another rank saved between syncs: it continues as a
+    copy of that rank, and its own steps since the last sync are lost."""
+
+
+class ForeignMomentsWarning(ForeignRankStateWarning):
+    """This rank loaded the optimizer state another rank saved at a consensus point: the weights
+    and counters are every rank's, the inner optimizer's moments are that rank's."""
+
+
+class UnsyncedExitWarning(UserWarning):
+    """Training ended (``flo.shutdown()``, interpreter exit) with steps since the last sync: the
+    ranks' weights differ. Call ``opt.sync()`` on every rank after the last step."""

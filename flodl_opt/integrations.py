@@ -1,4 +1,13 @@
-"""Framework glue that needs more than the optimizer line: the Hugging Face ``Trainer``.
+"""Framework glue that needs more than the optimizer line: HF ``Trainer``, Lightning, Accelerate.
+
+Between syncs every rank holds its own weights and optimizer state, and the inner optimizer's
+moments stay per rank even at a sync; these frameworks save rank 0's. Without the glue below a
+resumed rank other than 0 loads rank 0's state and is told so (flodl_opt/provenance.py); with it
+every rank resumes exactly:
+
+* HF ``Trainer``: :class:`LocalSGDCallback`;
+* Lightning: ``LocalSGDLightningCallback()`` (every rank's state inside Lightning's checkpoint);
+* Accelerate: ``accelerate_state(accelerator, opt)`` before ``save_state``/``load_state``.
 
 The Trainer takes a flodl_opt optimizer as it is (``optimizers=(opt, None)``): it copies the
 params and wraps the model in DDP after the optimizer was built, and the optimizer adopts both
@@ -31,11 +40,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Optional
+import weakref
+from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
-from .errors import ConfigError
+from . import provenance
+from .errors import ConfigError, InexactResumeWarning
 from .optimizer import LocalSGDOptimizer
 
 STATE_FILE = "flodl_opt_rank{rank}.pt"
@@ -77,6 +89,14 @@ class LocalSGDCallback:
                               "with opt = flo.LocalSGDOptimizer(...)")
         return opt
 
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # A resuming Trainer loads rank 0's optimizer.pt into every rank before any other event:
+        # this rank's own goes in instead, found when that load happens.
+        opt = find_local_sgd(kwargs.get("optimizer"))
+        if opt is not None:
+            ref = weakref.ref(opt)  # the registry holds opt weakly: so must this
+            provenance.substitute(opt, lambda: self._own_state(args, ref()))
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer has wrapped the model in DDP by now: make it local before the first
         # backward (found at the first step() instead, that backward would be averaged).
@@ -84,13 +104,15 @@ class LocalSGDCallback:
         self._resume_checked = False
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # The Trainer loads rank 0's optimizer.pt into every rank after on_train_begin: each
-        # rank's own state goes in on top, before the first step of the resumed run.
+        # Each rank's own state, before the first step of a resumed run (again, if on_init_end's
+        # substitute already put it in; and also when the callback was added after __init__).
         if self._resume_checked:
             return
         self._resume_checked = True
+        opt = self._optimizer(kwargs)
+        provenance.substitute(opt, None)  # training has begun: no later load is the Trainer's resume
         if state.global_step > 0:
-            self._load(args, state, self._optimizer(kwargs))
+            self._load(args, state, opt)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = self._optimizer(kwargs)
@@ -99,33 +121,47 @@ class LocalSGDCallback:
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = self._optimizer(kwargs)
-        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}",
-                            STATE_FILE.format(rank=_rank(opt)))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + ".tmp"
-        torch.save(opt.state_dict(), tmp)
-        os.replace(tmp, path)  # a killed write never leaves a truncated file under the real name
+        save_own_state(opt, os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = self._optimizer(kwargs)
         if not _at_sync(opt):
             opt.sync()
 
-    def _load(self, args: Any, state: Any, opt: LocalSGDOptimizer) -> None:
+    def _own_path(self, args: Any, opt: LocalSGDOptimizer, global_step: Optional[int]) -> Optional[str]:
         where = self.resume_from or _trainer_resume_dir()
         given = getattr(args, "resume_from_checkpoint", None)
         if where is None and isinstance(given, str) and os.path.isdir(given):
             where = given
-        if where is None:
-            where = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        path = os.path.join(where, STATE_FILE.format(rank=_rank(opt)))
+        if where is None and global_step is not None:
+            where = os.path.join(args.output_dir, f"checkpoint-{global_step}")
+        return os.path.join(where, STATE_FILE.format(rank=_rank(opt))) if where is not None else None
+
+    def _own_state(self, args: Any, opt: Optional[LocalSGDOptimizer]) -> Optional[Dict[str, Any]]:
+        path = self._own_path(args, opt, None) if opt is not None else None
+        if path is None or not os.path.exists(path):
+            return None
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    def _load(self, args: Any, state: Any, opt: LocalSGDOptimizer) -> None:
+        path = self._own_path(args, opt, state.global_step)
         if not os.path.exists(path):
             warnings.warn(f"flodl_opt: resumed at step {state.global_step} but {path} does not exist: "
                           "every rank continues from rank 0's optimizer state (the Trainer's "
                           "optimizer.pt). Pass LocalSGDCallback(resume_from=<checkpoint dir>) if the "
-                          "checkpoint is elsewhere.", stacklevel=2)
+                          "checkpoint is elsewhere.", InexactResumeWarning, stacklevel=2)
             return
-        opt.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        opt.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def save_own_state(opt: LocalSGDOptimizer, directory: str) -> str:
+    """Write this rank's ``opt.state_dict()`` to ``<directory>/flodl_opt_rank<r>.pt``; return the path."""
+    path = os.path.join(directory, STATE_FILE.format(rank=_rank(opt)))
+    os.makedirs(directory, exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save(opt.state_dict(), tmp)
+    os.replace(tmp, path)  # a killed write never leaves a truncated file under the real name
+    return path
 
 
 def _trainer_resume_dir() -> Optional[str]:
@@ -144,14 +180,128 @@ def _trainer_resume_dir() -> Optional[str]:
     return None
 
 
-def _at_sync(opt: LocalSGDOptimizer) -> bool:
-    """Nothing to sync: no step since the last sync and, with fragments, none in flight."""
-    stream = getattr(opt, "_stream", None)
-    if stream is None:
-        return opt.steps_since_sync == 0
-    return stream.pending is None and not any(stream.since)  # every fragment, not only fragment 0
+_at_sync = provenance.at_sync
 
 
 def _rank(opt: LocalSGDOptimizer) -> int:
     import torch.distributed as dist
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+# ---------------------------------------------------------------- Accelerate
+def accelerate_state(accelerator: Any, optimizer: Any) -> None:
+    """Make ``accelerator.save_state`` / ``load_state`` resume every rank exactly.
+
+    ``save_state`` writes rank 0's optimizer state only. After this call, ``save_state`` first
+    syncs (when there were steps since the last sync: the model it writes is then every rank's)
+    and every rank writes its own optimizer state beside it (``flodl_opt_rank<r>.pt``);
+    ``load_state`` loads each rank's own instead of rank 0's. Call it once, on every rank, with
+    the prepared optimizer (``model, opt = accelerator.prepare(model, opt)``); ``save_state``
+    and ``load_state`` are then collective as before.
+    """
+    opt = find_local_sgd(optimizer)
+    if opt is None:
+        raise ConfigError("flodl_opt.integrations.accelerate_state needs the optimizer to be a "
+                          "flo.LocalSGDOptimizer prepared by the accelerator: opt = "
+                          "flo.LocalSGDOptimizer(torch_opt, model=model); model, opt = "
+                          "accelerator.prepare(model, opt)")
+
+    opt._find_late_ddp()  # prepare() built DDP after the optimizer: local from the first backward
+
+    def before_save(models: List[Any], weights: List[Any], output_dir: str) -> None:
+        if not _at_sync(opt):
+            opt.sync()  # every rank calls save_state: the weights written are then every rank's
+            weights[:] = [accelerator.get_state_dict(m, unwrap=False) for m in models]
+        save_own_state(opt, output_dir)
+
+    def before_load(models: List[Any], input_dir: str) -> None:
+        path = os.path.join(input_dir, STATE_FILE.format(rank=_rank(opt)))
+        if not os.path.exists(path):
+            warnings.warn(f"flodl_opt: {path} does not exist (saved without accelerate_state?): this rank "
+                          "loads the optimizer state accelerator.save_state wrote, rank 0's",
+                          InexactResumeWarning, stacklevel=2)
+            return
+        provenance.substitute(opt, torch.load(path, map_location="cpu", weights_only=True))
+
+    accelerator.register_save_state_pre_hook(before_save)
+    accelerator.register_load_state_pre_hook(before_load)
+
+
+# ---------------------------------------------------------------- Lightning
+_LIGHTNING_KEY = "flodl_opt_ranks"
+
+
+def _lightning_callback_class() -> type:
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:  # the older package name
+        from pytorch_lightning import Callback
+
+    class LocalSGDLightningCallback(Callback):
+        """Every rank's state inside Lightning's checkpoint, and each rank's own back on resume.
+
+        Lightning writes rank 0's checkpoint, with rank 0's optimizer state (and, between syncs,
+        rank 0's weights). This callback gathers every rank's optimizer state (and its weights,
+        when the ranks' differ) into the checkpoint under ``"flodl_opt_ranks"``; on resume each
+        rank loads its own, so every rank continues exactly. Nothing extra is synced.
+
+        Example::
+
+            trainer = L.Trainer(..., callbacks=[LocalSGDLightningCallback()])
+            trainer.fit(module, ckpt_path="last.ckpt")   # resumes every rank exactly
+        """
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            # The strategy's DDP wrapper exists now: local from the first backward (found at the
+            # first step() instead, that backward, the first after every resume, is averaged).
+            for o in trainer.optimizers:
+                if find_local_sgd(o) is not None:
+                    find_local_sgd(o)._find_late_ddp()
+            own, self._own_weights = getattr(self, "_own_weights", None), None
+            if own is not None:  # after the optimizer's initial broadcast of rank 0's weights
+                pl_module.load_state_dict(own)
+
+        def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
+            opts = [find_local_sgd(o) for o in trainer.optimizers]
+            if not any(o is not None for o in opts):
+                return
+            own_weights = not all(provenance.at_sync(o) and getattr(o.outer, "name", "") != "easgd"
+                                  for o in opts if o is not None)
+            mine = {"optimizer_states": [o.state_dict() if o is not None else None for o in opts],
+                    "state_dict": pl_module.state_dict() if own_weights else None}
+            world = trainer.world_size
+            if world > 1:  # Lightning calls this on every rank; rank 0 writes the file
+                pieces: Optional[List[Any]] = [None] * world if trainer.global_rank == 0 else None
+                dist.gather_object(mine, pieces, dst=0)
+            else:
+                pieces = [mine]
+            if trainer.global_rank == 0:
+                checkpoint[_LIGHTNING_KEY] = pieces
+
+        def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
+            pieces = checkpoint.get(_LIGHTNING_KEY)
+            if pieces is None:
+                return  # saved without this callback: provenance warns on the other ranks
+            if len(pieces) != trainer.world_size:
+                warnings.warn(f"flodl_opt: the checkpoint holds {len(pieces)} ranks' state and this run has "
+                              f"{trainer.world_size}: every rank loads rank 0's", InexactResumeWarning,
+                              stacklevel=2)
+                return
+            mine = pieces[trainer.global_rank]
+            checkpoint["optimizer_states"] = [own if own is not None else saved for own, saved in
+                                              zip(mine["optimizer_states"], checkpoint["optimizer_states"])]
+            if mine["state_dict"] is not None:  # between syncs: this rank's weights, not rank 0's
+                checkpoint["state_dict"] = mine["state_dict"]
+                # the optimizer, built after this, broadcasts rank 0's: loaded again at train start
+                self._own_weights = mine["state_dict"]
+
+    return LocalSGDLightningCallback
+
+
+def __getattr__(name: str) -> Any:
+    # Built on first use: importing this module must not import Lightning.
+    if name == "LocalSGDLightningCallback":
+        cls = _lightning_callback_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ddp, launch
+from . import provenance  # who saved a state dict, live optimizers (flodl_opt/provenance.py)
 from .adaptive import AdaptiveSync
 from .amp import scaler_says_skip
 from .build import build_sync, config_record
@@ -156,6 +157,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         self.last_sync: Optional[SyncStats] = None
         # A DDP model: stop its per-step gradient all-reduce after warm-up (flodl_opt/ddp.py).
         self._ddp = ddp.attach(model, self, self.warmup_steps, process_group) if self._world > 1 else None
+        provenance.register(self)  # exit warnings, DCP in-place loads, framework-wrapped inner optimizers
 
     # ------------------------------------------------------------ read-outs
     @property
@@ -451,6 +453,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
             state = h.state_dict()
             if h.key is not None and state is not None:
                 sd[STATE_KEY][h.key] = state
+        provenance.stamp(self, sd)  # which rank saved it, when (flodl_opt/provenance.py)
         return sd
 
     def check_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:
@@ -485,6 +488,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         """Restore an exact resume point. ``strict=False`` allows a changed sync_every/gamma/warmup.
 
         Everything is checked first (``check_state_dict``): a refused state dict changes nothing."""
+        state_dict = provenance.on_load(self, state_dict, strict)  # another rank's? (provenance.py)
         self.check_state_dict(state_dict, strict)
         sd = dict(state_dict)
         ours = sd.pop(STATE_KEY)

@@ -46,12 +46,25 @@ _JOIN_S = 5.0  # a store call on a dead host fails well within this
 
 
 def close_all(timeout: float = _JOIN_S) -> None:
-    """Stop every live watchdog and wait for its thread (``flo.shutdown()`` and exit call it)."""
+    """``flo.shutdown()``: warn of optimizers with steps since their last sync, then stop every
+    live watchdog and wait for its thread."""
+    from .provenance import warn_unsynced
+    warn_unsynced("flo.shutdown()")
+    _close_all(timeout)
+
+
+def _close_all(timeout: float = _JOIN_S) -> None:
     for watch in list(_live):
         watch.close(timeout)
 
 
-atexit.register(close_all)
+atexit.register(_close_all)
+
+
+# A store answer that takes longer than this counts as "the store is not answering". The store
+# lives in rank 0's process (or torchrun's agent): a hung rank 0 takes it along, and a store call
+# then blocks past its own timeout, so the watchdog never waits on one itself (_StoreCalls).
+_STORE_ANSWER_S = 5.0
 
 
 def _default_store():
@@ -65,6 +78,49 @@ def _default_store():
         return store.clone()
     except Exception:
         return store
+
+
+class _StoreCalls:
+    """The watchdog's store calls, run one at a time on a thread of their own.
+
+    The watchdog thread hands a call over and waits a bounded time for its answer, so a store
+    that never answers delays no warning; the call itself is left to finish (or not) there."""
+
+    def __init__(self, store):
+        self.store = store
+        self._cond = threading.Condition()
+        self._jobs: List = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="flodl-stall-store", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn) -> dict:
+        job = {"fn": fn, "done": threading.Event(), "ok": False, "value": None}
+        with self._cond:
+            self._jobs.append(job)
+            self._cond.notify()
+        return job
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._jobs.pop(0)
+            try:
+                job["value"], job["ok"] = job["fn"](self.store), True
+            except Exception:  # the store is gone: job["ok"] stays False
+                pass
+            job["done"].set()
+
+    def close(self, timeout: Optional[float]) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if timeout is not None:
+            self._thread.join(timeout)
 
 
 class StallWatchdog:
@@ -85,6 +141,10 @@ class StallWatchdog:
         self.ranks: List[int] = list(ranks) if ranks is not None else []
         self.rank, self.tag = rank, tag
         self.store = store if store is not None else (_default_store() if self.ranks else None)
+        self._calls = _StoreCalls(self.store) if self.store is not None else None
+        self._answer_s = min(_STORE_ANSWER_S, max(self.threshold_s / 2, 0.05))
+        self._asking: Optional[dict] = None    # the peer query still waiting for the store
+        self._store_down = False               # the last store call failed or did not answer
         self._cond = threading.Condition()
         self._current: Optional[int] = None   # sync number this rank is in, None between syncs
         self._entered = 0.0
@@ -119,6 +179,8 @@ class StallWatchdog:
         _live.discard(self)
         if timeout is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self._calls is not None:
+            self._calls.close(timeout)
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
@@ -146,34 +208,35 @@ class StallWatchdog:
 
     def _publish(self, n: int) -> None:
         """Tell the store this rank reached sync n (monotonic: a skipped number is implied)."""
-        if self.store is None or n <= self._published:
+        if self._calls is None or n <= self._published:
             return
-        try:
-            self.store.set(self._key(self.rank), str(n))
-            self._published = n
-        except Exception:  # the store is gone (its host died): the report will say so
-            pass
+        self._published = n  # handed over: the store thread writes it (in order) when it can
+        key, value = self._key(self.rank), str(n)
+        self._calls.submit(lambda store: store.set(key, value))
 
     def missing(self, n: int) -> Optional[List[int]]:
         """Ranks of the group whose last published sync number is below ``n`` (None: unknown)."""
-        if self.store is None:
+        if self._calls is None:
             return None
-        try:
-            out = []
-            for r in self.ranks:
-                if r == self.rank:
-                    continue
-                key = self._key(r)
-                # check() does not block on a missing key, get() would (until the store timeout).
-                if not self.store.check([key]) or int(self.store.get(key)) < n:
-                    out.append(r)
-            return out
-        except Exception:
+        if self._asking is None or self._asking["done"].is_set():  # one query in flight at most
+            peers = [(r, self._key(r)) for r in self.ranks if r != self.rank]
+            self._asking = self._calls.submit(lambda store: {r: store.get(k) if store.check([k]) else None
+                                                             for r, k in peers})
+        job = self._asking
+        if not job["done"].wait(self._answer_s) or not job["ok"]:
+            self._store_down = True
             return None
+        self._store_down = False
+        # check() does not block on a missing key, get() would (until the store timeout).
+        return [r for r, v in job["value"].items() if v is None or int(v) < n]
 
     def _report(self, n: int, waited: float) -> None:
         missing = self.missing(n)
-        if missing is None:
+        if missing is None and self._store_down:
+            who = ("the key-value store is not answering (it lives in rank 0's process, or in the "
+                   "launcher's agent under torchrun), so rank 0 or its host may be hung or dead; which "
+                   "ranks have not arrived cannot be told")
+        elif missing is None:
             who = "the store cannot tell which ranks have not arrived"
         elif missing:
             who = f"ranks {missing} have not arrived (dead, hung, or slower by that much?)"

@@ -556,15 +556,19 @@ def _hf_rank(rank, world, root, resume_from, max_steps, callback=True):
 
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, None),
                                    callbacks=([LocalSGDCallback()] if callback else []) + [Watch()])
-    trainer.train(resume_from_checkpoint=resume_from)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=resume_from)
     return (type(opt._ddp).__name__, differ, opt.sync_count, opt.local_steps,
-            [p.detach().clone() for p in model.parameters()], opt.state_dict()["state"])
+            [p.detach().clone() for p in model.parameters()], opt.state_dict()["state"],
+            [w.category.__name__ for w in caught if issubclass(w.category, flo.InexactResumeWarning)])
 
 
 def test_hf_trainer_trains_locally_and_resumes_every_rank_exactly(tmp_path):
     pytest.importorskip("transformers", reason="transformers is not installed (optional integration extra)")
     full = run_ranks(_hf_rank, 2, str(tmp_path / "full"), None, 10, timeout=150)
-    for bridge, differ, syncs, steps, params, _ in full:
+    for bridge, differ, syncs, steps, params, _, _ in full:
         assert bridge == "DDPBridge"  # Trainer's DDP wrapper, built after the optimizer, was found
         # syncs at 3, 4 and 8 (checkpoints), 7, and a final one at 10
         assert differ == [True, True, False, False, True, True, False, False, True, False], differ
@@ -579,6 +583,16 @@ def test_hf_trainer_trains_locally_and_resumes_every_rank_exactly(tmp_path):
             assert torch.equal(a, b)        # and so does every rank's own AdamW state: exact
         for k, v in full[r][5].items():
             assert all(torch.equal(v[n], resumed[r][5][k][n]) for n in ("exp_avg", "exp_avg_sq"))
+        assert resumed[r][6] == []  # each rank's own state went in instead of rank 0's optimizer.pt
+
+
+def test_hf_trainer_resume_without_the_callback_warns_the_other_ranks(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed (optional integration extra)")
+    run_ranks(_hf_rank, 2, str(tmp_path / "full"), None, 4, False, timeout=150)  # saved at 4, K=3
+    ckpt = str(tmp_path / "full" / "checkpoint-4")
+    resumed = run_ranks(_hf_rank, 2, str(tmp_path / "resumed"), ckpt, 6, False, timeout=150)
+    assert resumed[0][6] == []                          # rank 0 loads its own optimizer.pt
+    assert resumed[1][6] == ["ForeignRankStateWarning"]  # rank 1 gets rank 0's, one step after a sync
 
 
 # ---------------------------------------------------------------- under the frameworks' own launchers
@@ -674,3 +688,171 @@ def test_accelerate_under_torchrun_in_the_documented_order(tmp_path):
         assert r["bridge"] == "DDPBridge" and r["syncs"] == 3 and r["steps"] == 10
         assert r["divergence"] > 1e-4
     assert out[0]["checksum"] == out[1]["checksum"]
+
+
+# ---------------------------------------------------------------- framework resumes (rank 0's files)
+def test_dcp_plain_state_dict_between_syncs_is_refused_on_every_rank(tmp_path):
+    """dcp.save({"model": ..., "optim": opt.state_dict()}) keeps one rank's copy of each tensor."""
+    out = run_ranks(_dcp_plain_rank, 2, str(tmp_path), timeout=90)
+    for rank, msg in enumerate(out):
+        assert f"rank {rank} was given an optimizer state whose tensors are not those" in msg, msg
+        assert "per-tensor mix of several ranks' state" in msg and "flo.DCPState(model, opt)" in msg
+
+
+def _dcp_plain_rank(rank, world, root):
+    import torch.distributed.checkpoint as dcp
+    model, opt = _dcp_build(0)
+    _dcp_steps(rank, model, opt, 1, 5)  # synced at 3: two steps of its own
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=root)
+    model2, opt2 = _dcp_build(7)
+    _dcp_steps(rank, model2, opt2, 1, 1)  # some optimizer state for dcp.load to fill in place
+    template = {"model": model2.state_dict(), "optim": opt2.state_dict()}
+    dcp.load(template, checkpoint_id=root)
+    counters = opt2.state_dict()["flodl_opt"]["counters"]
+    try:
+        opt2.load_state_dict(template["optim"])
+    except flo.ConfigError as e:
+        assert opt2.state_dict()["flodl_opt"]["counters"] == counters  # refused: nothing loaded
+        return str(e)
+    return "loaded"
+
+
+_LT_K, _LT_STEPS = 4, 10
+
+
+def _lightning_resume_rank(rank, world, root, ckpt, callback):
+    """Lightning DDP, 5 steps an epoch, a checkpoint at the end of epoch 0 (one step after a sync)."""
+    import warnings
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+    from flodl_opt.integrations import LocalSGDLightningCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0 if ckpt is None else 9)  # resumed: everything from the checkpoint
+            self.net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+        def training_step(self, batch, i):
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            self.flo = flo.LocalSGDOptimizer(torch.optim.AdamW(self.parameters(), lr=0.05), model=self,
+                                             sync_every=_LT_K)
+            return self.flo
+
+        def _snapshot(self):
+            return ([p.detach().clone() for p in self.parameters()],
+                    [v.clone() for s in self.flo.optimizer.state.values() for v in s.values()],
+                    (self.flo.local_steps, self.flo.sync_count, self.flo.steps_since_sync))
+
+        def on_train_epoch_end(self):  # the state the checkpoint at the end of epoch 0 holds
+            if self.current_epoch == 0 and ckpt is None:
+                self.at_save = self._snapshot()
+
+        def on_train_batch_start(self, batch, i):  # the state a resumed run starts from
+            if ckpt is not None and not hasattr(self, "at_save"):
+                self.at_save = self._snapshot()
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(40, 4, generator=g), torch.randn(40, 2, generator=g))
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1,
+                                                save_on_train_epoch_end=True)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=_LT_STEPS, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                        callbacks=[saver] + ([LocalSGDLightningCallback()] if callback else []))
+    module = Module()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path=ckpt)
+    return (module.at_save,  # weights, inner state and counters at the save / at the resume
+            [w.category.__name__ for w in caught if issubclass(w.category, flo.InexactResumeWarning)])
+
+
+def test_lightning_resume_restores_every_ranks_own_state_with_the_callback_and_warns_without(tmp_path):
+    pytest.importorskip("lightning", reason="lightning is not installed (optional integration extra)")
+    full = run_ranks(_lightning_resume_rank, 2, str(tmp_path / "full"), None, True, timeout=180)
+    assert not all(torch.equal(a, b) for a, b in zip(full[0][0][0], full[1][0][0]))  # apart at the save
+    ckpt = str(tmp_path / "full" / "epoch=0-step=5.ckpt")
+    resumed = run_ranks(_lightning_resume_rank, 2, str(tmp_path / "cb"), ckpt, True, timeout=180)
+    for r in range(2):
+        (w_saved, m_saved, c_saved), (w_got, m_got, c_got) = full[r][0], resumed[r][0]
+        assert c_saved == c_got == (5, 1, 1)
+        assert all(torch.equal(a, b) for a, b in zip(w_saved, w_got)), r  # this rank's own weights
+        assert all(torch.equal(a, b) for a, b in zip(m_saved, m_got)), r  # and its own moments
+        assert "ForeignRankStateWarning" not in resumed[r][1] and full[r][1] == []
+    plain = run_ranks(_lightning_resume_rank, 2, str(tmp_path / "plain"), ckpt, False, timeout=180)
+    assert plain[0][1] == [] and plain[1][1] == ["ForeignRankStateWarning"]
+    assert not all(torch.equal(a, b) for a, b in zip(full[1][0][1], plain[1][0][1]))  # rank 0's moments
+
+
+def _accelerate_resume_rank(rank, world, root, helper, phase):
+    import warnings
+    from accelerate import Accelerator
+    from flodl_opt.integrations import accelerate_state
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0 if phase != "load" else 7)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if phase.startswith("wrap_after"):  # prepare the torch optimizer, then wrap: the documented mistake
+            model, inner = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+            opt = flo.LocalSGDOptimizer(inner, model=model, sync_every=2)
+        else:
+            opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05), model=model,
+                                        sync_every=2)
+            model, opt = acc.prepare(model, opt)
+        if helper:
+            accelerate_state(acc, opt)
+        local = flo.integrations.find_local_sgd(opt)
+        first = 1
+        if phase in ("load", "wrap_after_load"):
+            acc.load_state(root)
+            first = 6
+        for step in range(first, 10 if phase in ("load", "reference", "wrap_after_load") else 6):
+            if phase == "reference" and step == 6:
+                local.sync()  # what save_state does with accelerate_state, 1 step after a sync
+            x, _ = _amp_batch(rank, step)
+            opt.zero_grad()
+            acc.backward(model(x.float()).square().mean())
+            opt.step()
+        if phase in ("save", "wrap_after"):
+            acc.save_state(root)
+            acc.wait_for_everyone()
+    return ((local.local_steps, local.sync_count, local.steps_since_sync),
+            [p.detach().clone() for p in acc.unwrap_model(model).parameters()],
+            [v.clone() for s in local.optimizer.state.values() for v in s.values()] if phase != "wrap_after" else [],
+            [(w.category.__name__, str(w.message)) for w in caught if issubclass(w.category, flo.InexactResumeWarning)])
+
+
+def test_accelerate_save_state_resumes_every_rank_exactly_with_accelerate_state(tmp_path):
+    pytest.importorskip("accelerate", reason="accelerate is not installed (optional integration extra)")
+    ref = run_ranks(_accelerate_resume_rank, 2, None, True, "reference", timeout=120)
+    run_ranks(_accelerate_resume_rank, 2, str(tmp_path / "a"), True, "save", timeout=120)
+    got = run_ranks(_accelerate_resume_rank, 2, str(tmp_path / "a"), True, "load", timeout=120)
+    for r in range(2):
+        assert got[r][0] == ref[r][0] == (9, 5, 0), r  # syncs at 2, 4, the save (5), 7, 9
+        assert all(torch.equal(a, b) for a, b in zip(ref[r][1], got[r][1])), r
+        assert all(torch.equal(a, b) for a, b in zip(ref[r][2], got[r][2])), r
+        assert got[r][3] == []
+
+
+def test_accelerate_rank_0_save_state_warns_the_other_ranks(tmp_path):
+    pytest.importorskip("accelerate", reason="accelerate is not installed (optional integration extra)")
+    run_ranks(_accelerate_resume_rank, 2, str(tmp_path / "p"), False, "save", timeout=120)
+    got = run_ranks(_accelerate_resume_rank, 2, str(tmp_path / "p"), False, "load", timeout=120)
+    assert got[0][3] == []
+    (cls, msg), = got[1][3]
+    assert cls == "ForeignRankStateWarning" and "accelerate_state(accelerator, opt)" in msg
+
+
+def test_accelerate_wrapping_after_prepare_warns_at_the_wrap_and_at_the_load(tmp_path):
+    pytest.importorskip("accelerate", reason="accelerate is not installed (optional integration extra)")
+    saved = run_ranks(_accelerate_resume_rank, 2, str(tmp_path / "w"), False, "wrap_after", timeout=120)
+    got = run_ranks(_accelerate_resume_rank, 2, str(tmp_path / "w"), False, "wrap_after_load", timeout=120)
+    for r in range(2):
+        (cls, msg), = saved[r][3]
+        assert cls == "InexactResumeWarning" and "Wrap first, then prepare" in msg
+        warned = [m for _, m in got[r][3]]
+        assert len(warned) == 2 and "loaded an optimizer state around LocalSGDOptimizer" in warned[1]
+        assert got[r][0][0] == 4  # the counters restarted at 0 (4 steps since the load)

@@ -15,6 +15,7 @@ the set rate stops the tool (shaping that silently does nothing would make every
 Workload. The character-level transformer of ``examples/train_charlm.py`` (its model, corpus,
 split and batch sampler are imported, not copied) at its default size (d_model 128, 2 layers,
 0.44M params: a 1.8 MB fp32 gradient), with a small per-rank batch of 4 sequences x 64 bytes.
+``--model large`` is the second workload: d_model 256, 4 layers (3.3M params, a 13 MB gradient).
 Why: with one CPU core per rank a step then costs a few tens of ms of compute while the 1.8 MB
 all-reduce costs ~150 ms at 100 Mbit/s and ~600 ms at 25 Mbit/s, so gradient communication is the
 larger share of a synchronous step at the slow rates (as it is for a large model across sites) and a
@@ -34,7 +35,31 @@ overlap_steps=2``: a quarter of the model at a time, in flight while 2 more inne
 shared at every sync, 4x a plain sync's bytes) and ``-moments2`` (``sync_moments_every=2``: at every
 second sync, 2.5x), ``-moments-bf16`` / ``-moments2-bf16`` (the same, ``sync_moments_wire="bf16"``: 2.5x
 and 1.75x), ``-dsync`` (``denoise_moments="sync"``: each rank's AdamW second moment corrected at the
-sync from its own drift, a plain sync's bytes). A new sync mode is one more row.
+sync from its own drift, a plain sync's bytes). A new sync mode is one more row; ``--row NAME=JSON``
+adds one for a single run (tuning). ``recommended`` is ``flodl_opt.recipes.SLOW_LINK``, the setting
+the README gives a user with a slow link (defined once, there); ``diloco-h64-f4-o2-int8`` is that
+streaming DiLoCo with the int8 wire. A row the library refuses (``ConfigError`` at construction, the
+same on every rank) is reported as ``refused: <message>``, not as a failure.
+
+Peers: what a torch user already has, each run the way its own documentation recommends.
+``ddp-powersgd{2,4,8}``: DDP with ``powerSGD_hook`` (ranks 2/4/8; error feedback and warm start on,
+vanilla all-reduce for the first ``start_powerSGD_iter=10`` steps; the gradients in ONE bucket: on
+Gloo the hook's chained P and Q all-reduces of several buckets are issued in a different order on
+each rank and the job aborts). ``ddp-fp16``: DDP with ``fp16_compress_hook``. ``postlocal-k16``:
+``torch.distributed.optim.PostLocalSGDOptimizer`` with ``PeriodicModelAverager(period=16)`` and DDP's
+``post_localSGD_hook``, DDP's all-reduce for the first 32 steps (its warm-up), each rank its own
+local subgroup (one rank per site). ``accel-localsgd-k16``: Accelerate's ``LocalSGD`` (``K=16``) on
+a model prepared by ``Accelerator(cpu=True)`` over the same Gloo group. The *best peer* of a rate is
+the fastest non-flodl row that reaches the target (DDP included, the floor not); the table and the
+JSON (``row["race"]``) give every row's speed-up over DDP and over the best peer (their time to
+target / its own) and its time over the floor's.
+
+Floor: the physical limit of any method that needs as many steps as DDP. Each rank runs DDP's steps
+to target (``--steps`` without a DDP row) of the same loop, model, data and optimizer with no
+collective at all (no DDP, no averaging: the ranks train independent models), in the same
+namespaces on the same cores, right after the others; its time to target is the slowest rank's wall
+time for those steps, evaluation excluded as for every row. Its losses are no model's and are not
+reported.
 
 Streaming rows never hold one consensus of the whole model (fragments sync at different steps), so
 their evaluation uses the ranks' mean weights (one all-reduce, outside the clock and the byte count):

@@ -47,7 +47,8 @@ vanilla all-reduce for the first ``start_powerSGD_iter=10`` steps; the gradients
 Gloo the hook's chained P and Q all-reduces of several buckets are issued in a different order on
 each rank and the job aborts). ``ddp-fp16``: DDP with ``fp16_compress_hook``. ``postlocal-k16``:
 ``torch.distributed.optim.PostLocalSGDOptimizer`` with ``PeriodicModelAverager(period=16)`` and DDP's
-``post_localSGD_hook``, DDP's all-reduce for the first 32 steps (its warm-up), each rank its own
+``post_localSGD_hook``, DDP's all-reduce for the first 16 steps (its warm-up: of 16, 32 and the
+docs' 100, the fewest steps to the target and bytes), each rank its own
 local subgroup (one rank per site). ``accel-localsgd-k16``: Accelerate's ``LocalSGD`` (``K=16``) on
 a model prepared by ``Accelerator(cpu=True)`` over the same Gloo group. The *best peer* of a rate is
 the fastest non-flodl row that reaches the target (DDP included, the floor not); the table and the
@@ -133,6 +134,7 @@ METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "distopt": ("distopt", {}),
     "localsgd-k16": ("local", {"sync_every": 16}),
     "diloco-h64": ("local", {"sync_every": 64, "outer": "diloco"}),
+    "diloco-h32": ("local", {"sync_every": 32, "outer": "diloco"}),
     "localsgd-k16-int8": ("local", {"sync_every": 16, "wire": "int8"}),
     "diloco-h64-int8": ("local", {"sync_every": 64, "outer": "diloco", "wire": "int8"}),
     "localsgd-k16-stream": ("local", {"sync_every": 16, "fragments": 4, "overlap_steps": 2}),
@@ -154,7 +156,7 @@ METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "ddp-powersgd8": ("ddp", {**POWERSGD, "rank": 8}),
     "ddp-fp16": ("ddp", {"hook": "fp16"}),
     # torch's post-local SGD: DDP's all-reduce for the first warmup_steps, then PeriodicModelAverager
-    "postlocal-k16": ("postlocal", {"period": 16, "warmup_steps": 32}),
+    "postlocal-k16": ("postlocal", {"period": 16, "warmup_steps": 16}),
     "accel-localsgd-k16": ("accel", {"local_sgd_steps": 16}),
     # DDP's steps to its target with no communication at all (see the module docstring)
     "floor": ("floor", {}),
@@ -163,7 +165,7 @@ ANCHOR = "ddp"
 FLODL_KINDS = ("distopt", "local")      # the rows of this library; the others are peers (floor: neither)
 PEER_KINDS = ("ddp", "postlocal", "accel")
 LABELS = {"ddp": "torch DDP (anchor)", "distopt": "flo.DistributedOptimizer",
-          "localsgd-k16": "local SGD, K=16", "diloco-h64": "DiLoCo, H=64",
+          "localsgd-k16": "local SGD, K=16", "diloco-h64": "DiLoCo, H=64", "diloco-h32": "DiLoCo, H=32",
           "localsgd-k16-int8": "local SGD, K=16, int8 wire", "diloco-h64-int8": "DiLoCo, H=64, int8 wire",
           "localsgd-k16-stream": "local SGD, K=16, 4 fragments, overlap 2",
           "diloco-h64-stream": "DiLoCo, H=64, 4 fragments, overlap 2",
@@ -173,7 +175,7 @@ LABELS = {"ddp": "torch DDP (anchor)", "distopt": "flo.DistributedOptimizer",
           "localsgd-k16-moments-bf16": "local SGD, K=16, sync_moments, bf16 moments",
           "localsgd-k16-moments2-bf16": "local SGD, K=16, sync_moments every 2nd sync, bf16 moments",
           "localsgd-k16-dsync": "local SGD, K=16, denoise_moments='sync'",
-          "recommended": "flo recommended (" + ", ".join(f"{k}={v}" for k, v in SLOW_LINK.items()) + ")",
+          "recommended": "flo recommended (recipes.SLOW_LINK)",
           "diloco-h64-f4-o2-int8": "DiLoCo, H=64, 4 fragments, overlap 2, int8 wire",
           "ddp-powersgd2": "DDP + PowerSGD rank 2", "ddp-powersgd4": "DDP + PowerSGD rank 4",
           "ddp-powersgd8": "DDP + PowerSGD rank 8", "ddp-fp16": "DDP + fp16_compress_hook",
@@ -822,9 +824,13 @@ def plot(results: Dict[str, Dict[str, Any]], path: str) -> None:
               "localsgd-k16-stream": "tab:green", "diloco-h64-stream": "tab:red", "localsgd-auto": "tab:purple",
               "localsgd-k16-moments": "tab:pink", "localsgd-k16-moments2": "tab:olive",
               "localsgd-k16-moments-bf16": "magenta", "localsgd-k16-moments2-bf16": "darkgoldenrod",
-              "localsgd-k16-dsync": "navy"}
+              "localsgd-k16-dsync": "navy", "recommended": "tab:red", "diloco-h64-f4-o2-int8": "darkred",
+              "ddp-powersgd2": "#9ecae1", "ddp-powersgd4": "#4292c6", "ddp-powersgd8": "#08306b",
+              "ddp-fp16": "dimgray", "postlocal-k16": "#74c476", "accel-localsgd-k16": "#6a51a3"}
 
     def style(name: str) -> str:
+        if name in METHODS and METHODS[name][0] in PEER_KINDS and name != ANCHOR:
+            return "--"  # the peers dashed, the flodl rows solid
         return ("--" if name == "distopt" or name.endswith("-int8") else ":" if name.endswith("-stream")
                 else "-." if "-moments" in name else "-")
 

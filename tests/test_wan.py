@@ -94,3 +94,103 @@ def test_streaming_row_stopped_at_the_target_ends_identical(tmp_path):
     assert row["stop"] == "target" and row["steps"] == 32, (row["stop"], row["steps"])
     hashes = row["param_sha256"]
     assert len(hashes) == 2 and hashes[0] == hashes[1], hashes
+
+
+def _bench():
+    """tools/bench_wan.py as a module (its driver code, no runs)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_wan", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_recommended_row_is_the_library_recipe():
+    from flodl_opt.recipes import SLOW_LINK
+    bench = _bench()
+    assert bench.METHODS["recommended"] == ("local", dict(SLOW_LINK))
+    # Today's choice; the int8 row is the same setting with the compressed wire.
+    assert dict(SLOW_LINK) == {"sync_every": 64, "outer": "diloco", "fragments": 4, "overlap_steps": 2}
+    assert bench.METHODS["diloco-h64-f4-o2-int8"] == ("local", {**bench.STREAM_DILOCO, "wire": "int8"})
+
+
+def test_readme_states_the_recommended_setting():
+    """The README tells a user on a slow link exactly the setting the benchmark races as `recommended`."""
+    from flodl_opt.recipes import SLOW_LINK, as_call
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    line = as_call(SLOW_LINK)
+    assert line == 'sync_every=64, outer="diloco", fragments=4, overlap_steps=2'
+    assert line in readme, f"README.md does not state the recommended setting `{line}`"
+
+
+def _row(kind, t, steps=None):
+    return {"kind": kind, "time_to_target_s": t, "steps_to_target": steps}
+
+
+def test_race_names_the_fastest_peer_and_the_ratios():
+    bench = _bench()
+    rows = {"ddp": _row("ddp", 80.0, 480), "ddp-powersgd8": _row("ddp", 20.0, 544),
+            "postlocal-k16": _row("postlocal", None), "accel-localsgd-k16": _row("accel", 25.0, 704),
+            "floor": _row("floor", 8.0, 480), "recommended": _row("local", 10.0, 704),
+            "distopt": _row("distopt", 5.0, 480),  # a flodl row: never the best peer, however fast
+            "diloco-h64-f4-o2-int8": {"kind": "local", "refused": "not yet"}}
+    rc = bench.race(rows)
+    assert rc["best_peer"] == "ddp-powersgd8" and rc["best_peer_s"] == 20.0 and rc["floor_s"] == 8.0
+    rec = rc["rows"]["recommended"]
+    assert rec["vs_ddp"] == 8.0 and rec["vs_best_peer"] == 2.0 and rec["x_floor"] == 1.25
+    assert abs(rec["steps_vs_ddp"] - 704 / 480) < 1e-12
+    assert rc["rows"]["postlocal-k16"]["vs_best_peer"] is None   # never reached the target
+    table = bench.fmt_table("100mbit", {k: dict(v, steps=1, wall_s=1.0, loss_at_ddp_time=2.0, final_loss=2.0,
+                                                bytes_per_rank=0) for k, v in rows.items()})
+    assert table.startswith("best peer: ddp-powersgd8 (20.0 s); floor 8.0 s")
+    assert "| diloco-h64-f4-o2-int8 | refused: not yet |" in table
+    assert "| recommended | 1 | 704 (1.47x) | 1.0 | 10.0 | 8.00x | 2.00x | 1.25x |" in table
+
+
+def test_bad_row_spec_says_what_to_write():
+    r = subprocess.run([sys.executable, TOOL, "--row", "x={nope"], capture_output=True, text=True,
+                       timeout=60, env=_env())
+    assert r.returncode == 2 and "bench_wan: --row" in r.stderr and "is not JSON" in r.stderr
+
+
+PEERS = ["ddp", "ddp-powersgd2", "ddp-fp16", "postlocal-k16", "accel-localsgd-k16", "floor", "recommended",
+         "diloco-h64-f4-o2-int8"]
+
+
+@pytest.mark.timeout(420)
+def test_peer_rows_run_on_a_shaped_link(tmp_path):
+    """Every peer row trains to the end over the shaped link with identical ranks; the bytes are each
+    method's own; the floor runs DDP's steps to target with no traffic; a refused row is reported."""
+    # 40 steps: well past post-local SGD's 16-step warm-up, so that its averager runs too
+    res = _run_wan(tmp_path, "--rates", "100mbit", "--methods", ",".join(PEERS), "--steps", "40")
+    rows = res["100mbit"]
+    assert list(rows) == PEERS
+    assert "int8" in rows["diloco-h64-f4-o2-int8"]["refused"]
+    ddp = rows["ddp"]
+    grad = ddp["params"] * 4
+    assert ddp["sync_bytes_per_rank"] == 40 * grad
+    for name in ("ddp", "ddp-powersgd2", "ddp-fp16", "postlocal-k16", "accel-localsgd-k16", "recommended"):
+        row = rows[name]
+        assert row["param_sha256"][0] == row["param_sha256"][1], name
+        assert row["steps"] >= 40 and row["bytes_per_rank"] >= row["sync_bytes_per_rank"] * 0.95, name
+    steps = lambda n: rows[n]["steps"]
+    assert rows["ddp-fp16"]["sync_bytes_per_rank"] == steps("ddp-fp16") * grad // 2
+    # PowerSGD: full gradients for its first 10 steps, then far fewer bytes per step
+    psgd = rows["ddp-powersgd2"]
+    assert 10 * grad < psgd["sync_bytes_per_rank"] < 10 * grad + (steps("ddp-powersgd2") - 10) * grad / 4
+    # post-local SGD: DDP's all-reduce for 16 steps, then an average every 16 (the first right after)
+    post = rows["postlocal-k16"]
+    averages = len(range(17, steps("postlocal-k16") + 1, 16))
+    assert steps("postlocal-k16") > 16 and averages >= 2
+    assert post["sync_bytes_per_rank"] == (16 + averages) * grad
+    accel = rows["accel-localsgd-k16"]
+    assert accel["sync_bytes_per_rank"] == steps("accel-localsgd-k16") // 16 * grad
+    floor = rows["floor"]
+    assert floor["steps"] == ddp["steps_to_target"] and floor["sync_bytes_per_rank"] == 0
+    assert floor["bytes_per_rank"] < 64 * 1024  # the evaluations' metric all-reduces are excluded too
+    assert floor["time_to_target_s"] == floor["wall_s"]
+    best = rows["recommended"]["race"]["best_peer"]
+    assert best in ("ddp", "ddp-powersgd2", "ddp-fp16", "postlocal-k16", "accel-localsgd-k16")
+    assert rows["recommended"]["race"]["vs_best_peer"] == pytest.approx(
+        rows[best]["time_to_target_s"] / rows["recommended"]["time_to_target_s"])

@@ -15,6 +15,7 @@ the set rate stops the tool (shaping that silently does nothing would make every
 Workload. The character-level transformer of ``examples/train_charlm.py`` (its model, corpus,
 split and batch sampler are imported, not copied) at its default size (d_model 128, 2 layers,
 0.44M params: a 1.8 MB fp32 gradient), with a small per-rank batch of 4 sequences x 64 bytes.
+``--model large`` is the second workload: d_model 256, 4 layers (3.3M params, a 13 MB gradient).
 Why: with one CPU core per rank a step then costs a few tens of ms of compute while the 1.8 MB
 all-reduce costs ~150 ms at 100 Mbit/s and ~600 ms at 25 Mbit/s, so gradient communication is the
 larger share of a synchronous step at the slow rates (as it is for a large model across sites) and a
@@ -34,7 +35,32 @@ overlap_steps=2``: a quarter of the model at a time, in flight while 2 more inne
 shared at every sync, 4x a plain sync's bytes) and ``-moments2`` (``sync_moments_every=2``: at every
 second sync, 2.5x), ``-moments-bf16`` / ``-moments2-bf16`` (the same, ``sync_moments_wire="bf16"``: 2.5x
 and 1.75x), ``-dsync`` (``denoise_moments="sync"``: each rank's AdamW second moment corrected at the
-sync from its own drift, a plain sync's bytes). A new sync mode is one more row.
+sync from its own drift, a plain sync's bytes). A new sync mode is one more row; ``--row NAME=JSON``
+adds one for a single run (tuning). ``recommended`` is ``flodl_opt.recipes.SLOW_LINK``, the setting
+the README gives a user with a slow link (defined once, there); ``diloco-h64-f4-o2-int8`` is that
+streaming DiLoCo with the int8 wire. A row the library refuses (``ConfigError`` at construction, the
+same on every rank) is reported as ``refused: <message>``, not as a failure.
+
+Peers: what a torch user already has, each run the way its own documentation recommends.
+``ddp-powersgd{2,4,8}``: DDP with ``powerSGD_hook`` (ranks 2/4/8; error feedback and warm start on,
+vanilla all-reduce for the first ``start_powerSGD_iter=10`` steps; the gradients in ONE bucket: on
+Gloo the hook's chained P and Q all-reduces of several buckets are issued in a different order on
+each rank and the job aborts). ``ddp-fp16``: DDP with ``fp16_compress_hook``. ``postlocal-k16``:
+``torch.distributed.optim.PostLocalSGDOptimizer`` with ``PeriodicModelAverager(period=16)`` and DDP's
+``post_localSGD_hook``, DDP's all-reduce for the first 16 steps (its warm-up: of 16, 32 and the
+docs' 100, the fewest steps to the target and bytes), each rank its own
+local subgroup (one rank per site). ``accel-localsgd-k16``: Accelerate's ``LocalSGD`` (``K=16``) on
+a model prepared by ``Accelerator(cpu=True)`` over the same Gloo group. The *best peer* of a rate is
+the fastest non-flodl row that reaches the target (DDP included, the floor not); the table and the
+JSON (``row["race"]``) give every row's speed-up over DDP and over the best peer (their time to
+target / its own) and its time over the floor's.
+
+Floor: the physical limit of any method that needs as many steps as DDP. Each rank runs DDP's steps
+to target (``--steps`` without a DDP row) of the same loop, model, data and optimizer with no
+collective at all (no DDP, no averaging: the ranks train independent models), in the same
+namespaces on the same cores, right after the others; its time to target is the slowest rank's wall
+time for those steps, evaluation excluded as for every row. Its losses are no model's and are not
+reported.
 
 Streaming rows never hold one consensus of the whole model (fragments sync at different steps), so
 their evaluation uses the ranks' mean weights (one all-reduce, outside the clock and the byte count):
@@ -92,17 +118,27 @@ from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> (kind, LocalSGDOptimizer keyword arguments). kind: "ddp" | "distopt" | "local".
-# A new sync mode is one row, e.g. "localsgd-k16-int8": ("local", {"sync_every": 16, "wire": "int8"}).
+# name -> (kind, keyword arguments). kind: "ddp" | "distopt" | "local" | "postlocal" | "accel" | "floor".
+# "local" rows are LocalSGDOptimizer keyword arguments (a key "outer_args" builds the outer optimizer named
+# by "outer" with those arguments), so a new sync mode is one row, e.g.
+# "localsgd-k16-int8": ("local", {"sync_every": 16, "wire": "int8"}). "ddp" rows may name a comm hook.
+sys.path.insert(0, ROOT)
+from flodl_opt.recipes import SLOW_LINK  # noqa: E402  (the README's setting for a slow link)
+
+STREAM_DILOCO = {"sync_every": 64, "outer": "diloco", "fragments": 4, "overlap_steps": 2}
+# PowerSGD as its docs recommend: error feedback, warm start, vanilla all-reduce for the first
+# start_powerSGD_iter steps; one bucket on Gloo (see the worker).
+POWERSGD = {"hook": "powersgd", "start_iter": 10, "use_error_feedback": True, "warm_start": True}
 METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "ddp": ("ddp", {}),
     "distopt": ("distopt", {}),
     "localsgd-k16": ("local", {"sync_every": 16}),
     "diloco-h64": ("local", {"sync_every": 64, "outer": "diloco"}),
+    "diloco-h32": ("local", {"sync_every": 32, "outer": "diloco"}),
     "localsgd-k16-int8": ("local", {"sync_every": 16, "wire": "int8"}),
     "diloco-h64-int8": ("local", {"sync_every": 64, "outer": "diloco", "wire": "int8"}),
     "localsgd-k16-stream": ("local", {"sync_every": 16, "fragments": 4, "overlap_steps": 2}),
-    "diloco-h64-stream": ("local", {"sync_every": 64, "outer": "diloco", "fragments": 4, "overlap_steps": 2}),
+    "diloco-h64-stream": ("local", dict(STREAM_DILOCO)),
     "localsgd-auto": ("local", {"sync_every": "auto"}),
     "localsgd-k16-moments": ("local", {"sync_every": 16, "sync_moments": True}),
     "localsgd-k16-moments2": ("local", {"sync_every": 16, "sync_moments": True, "sync_moments_every": 2}),
@@ -110,10 +146,26 @@ METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "localsgd-k16-moments2-bf16": ("local", {"sync_every": 16, "sync_moments": True, "sync_moments_every": 2,
                                              "sync_moments_wire": "bf16"}),
     "localsgd-k16-dsync": ("local", {"sync_every": 16, "denoise_moments": "sync"}),
+    # the README's setting for a slow link, defined once in flodl_opt.recipes
+    "recommended": ("local", dict(SLOW_LINK)),
+    # refused until streaming syncs accept a compressed wire (reported as "refused: ...")
+    "diloco-h64-f4-o2-int8": ("local", {**STREAM_DILOCO, "wire": "int8"}),
+    # peers a torch user already has
+    "ddp-powersgd2": ("ddp", {**POWERSGD, "rank": 2}),
+    "ddp-powersgd4": ("ddp", {**POWERSGD, "rank": 4}),
+    "ddp-powersgd8": ("ddp", {**POWERSGD, "rank": 8}),
+    "ddp-fp16": ("ddp", {"hook": "fp16"}),
+    # torch's post-local SGD: DDP's all-reduce for the first warmup_steps, then PeriodicModelAverager
+    "postlocal-k16": ("postlocal", {"period": 16, "warmup_steps": 16}),
+    "accel-localsgd-k16": ("accel", {"local_sgd_steps": 16}),
+    # DDP's steps to its target with no communication at all (see the module docstring)
+    "floor": ("floor", {}),
 }
 ANCHOR = "ddp"
+FLODL_KINDS = ("distopt", "local")      # the rows of this library; the others are peers (floor: neither)
+PEER_KINDS = ("ddp", "postlocal", "accel")
 LABELS = {"ddp": "torch DDP (anchor)", "distopt": "flo.DistributedOptimizer",
-          "localsgd-k16": "local SGD, K=16", "diloco-h64": "DiLoCo, H=64",
+          "localsgd-k16": "local SGD, K=16", "diloco-h64": "DiLoCo, H=64", "diloco-h32": "DiLoCo, H=32",
           "localsgd-k16-int8": "local SGD, K=16, int8 wire", "diloco-h64-int8": "DiLoCo, H=64, int8 wire",
           "localsgd-k16-stream": "local SGD, K=16, 4 fragments, overlap 2",
           "diloco-h64-stream": "DiLoCo, H=64, 4 fragments, overlap 2",
@@ -122,7 +174,15 @@ LABELS = {"ddp": "torch DDP (anchor)", "distopt": "flo.DistributedOptimizer",
           "localsgd-k16-moments2": "local SGD, K=16, sync_moments every 2nd sync",
           "localsgd-k16-moments-bf16": "local SGD, K=16, sync_moments, bf16 moments",
           "localsgd-k16-moments2-bf16": "local SGD, K=16, sync_moments every 2nd sync, bf16 moments",
-          "localsgd-k16-dsync": "local SGD, K=16, denoise_moments='sync'"}
+          "localsgd-k16-dsync": "local SGD, K=16, denoise_moments='sync'",
+          "recommended": "flo recommended (recipes.SLOW_LINK)",
+          "diloco-h64-f4-o2-int8": "DiLoCo, H=64, 4 fragments, overlap 2, int8 wire",
+          "ddp-powersgd2": "DDP + PowerSGD rank 2", "ddp-powersgd4": "DDP + PowerSGD rank 4",
+          "ddp-powersgd8": "DDP + PowerSGD rank 8", "ddp-fp16": "DDP + fp16_compress_hook",
+          "postlocal-k16": "torch PostLocalSGDOptimizer, period 16", "accel-localsgd-k16": "Accelerate LocalSGD, K=16",
+          "floor": "floor: DDP's steps, no communication"}
+# The second workload (--model large): the same race with a model ~7.5x larger (3.3M params).
+MODELS = {"small": {"d_model": 128, "layers": 2}, "large": {"d_model": 256, "layers": 4}}
 
 SUBNET = "10.213.0"      # rank i is SUBNET.(10 + i)/24
 VETH = "flwan0"          # the rank's interface inside its namespace
@@ -140,11 +200,125 @@ def parse_rate(spec: str) -> float:
 
 def period_of(kind: str, kwargs: Dict[str, Any]) -> int:
     """Steps between the points where the ranks hold one consensus (1 for the synchronous kinds)."""
-    k = kwargs.get("sync_every", 16) if kind == "local" else 1
-    return k if isinstance(k, int) else 1  # "auto": evaluation waits for a sync (see the worker)
+    k = kwargs.get("sync_every", 16) if kind == "local" else kwargs.get("local_sgd_steps", 1)
+    # "auto" and post-local SGD (averages at warmup_steps + 1 + j * period): evaluation waits for a sync
+    return k if isinstance(k, int) else 1
 
 
 # =============================================================================== worker (one rank)
+def mean_params(params, world: int) -> None:
+    """Every rank's params <- the ranks' mean (one all-reduce of the flat params)."""
+    import torch
+    import torch.distributed as dist
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        flat /= world
+        torch._foreach_copy_([p.data for p in params],
+                             [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in params]), params)])
+
+
+def powersgd_bytes(params, rank: int, min_compression_rate: float = 2.0) -> int:
+    """Bytes PowerSGD's hook hands to all-reduce per step once compressing: P and Q of every matrix
+    worth compressing (its own rule), the rest (vectors, small matrices) uncompressed; float32."""
+    total = 0
+    for p in params:
+        if p.dim() <= 1:
+            total += p.numel()
+            continue
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        r = min(n, m, rank)
+        total += (n + m) * r if (n + m) * r * min_compression_rate < n * m else n * m
+    return 4 * total
+
+
+def ddp_with_hook(model, kwargs: Dict[str, Any], grad_bytes: int):
+    """torch DDP with the comm hook a row names (none, "fp16", "powersgd")."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+    hook = kwargs.get("hook")
+    if hook is None:
+        return DistributedDataParallel(model)  # broadcasts rank 0's weights
+    if hook == "fp16":
+        net = DistributedDataParallel(model)
+        net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return net
+    if hook == "powersgd":
+        # One bucket holding every gradient: on Gloo the hook chains the P and Q all-reduces of each
+        # bucket from completion callbacks, and with several buckets the ranks issue them in
+        # different orders and the job aborts. An explicit cap also sizes DDP's first bucket.
+        net = DistributedDataParallel(model, bucket_cap_mb=math.ceil(grad_bytes / 2 ** 20) + 1)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=kwargs["rank"],
+            start_powerSGD_iter=kwargs["start_iter"], use_error_feedback=kwargs["use_error_feedback"],
+            warm_start=kwargs["warm_start"], random_seed=0)
+        net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return net
+    raise ValueError(f"unknown DDP comm hook {hook!r}")
+
+
+def build(kind: str, kwargs: Dict[str, Any], model, inner, sched, grad_bytes: int):
+    """(module the loop runs forward on, optimizer it steps, the peer's helper or None) for a row."""
+    import torch.distributed as dist
+    import flodl_opt as flo
+    if kind == "ddp":
+        return ddp_with_hook(model, kwargs, grad_bytes), inner, None
+    if kind == "distopt":
+        flo.broadcast_parameters(model.state_dict(), root_rank=0)
+        return model, flo.DistributedOptimizer(inner, named_parameters=model.named_parameters()), None
+    if kind == "local":
+        kw = dict(kwargs)
+        outer_args = kw.pop("outer_args", None)
+        if outer_args is not None:
+            kw["outer"] = {"diloco": flo.DiLoCo, "slowmo": flo.SlowMo}[kw["outer"]](**outer_args)
+        return model, flo.LocalSGDOptimizer(inner, model=model, max_grad_norm=1.0, lr_scheduler=sched, **kw), None
+    if kind == "postlocal":
+        # torch's recipe (PostLocalSGDOptimizer docs): DDP with post_localSGD_hook, whose all-reduce
+        # runs for the first start_localSGD_iter steps, and the averager taking over from there.
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (PostLocalSGDState,
+                                                                                     post_localSGD_hook)
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        from torch.distributed.optim import PostLocalSGDOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+        w = kwargs["warmup_steps"]
+        net = DistributedDataParallel(model)
+        # One rank per site, so each rank's "local" subgroup is itself (the hook's default builds
+        # intra-node subgroups from the CUDA device count, which a CPU rank does not have).
+        subgroup, _ = dist.new_subgroups(group_size=1)
+        net.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=w),
+                               post_localSGD_hook)
+        opt = PostLocalSGDOptimizer(optim=inner, averager=PeriodicModelAverager(period=kwargs["period"],
+                                                                                warmup_steps=w))
+        return net, opt, None
+    if kind == "accel":
+        # Accelerate's recipe: prepare the model (DDP over the process group already made), train
+        # inside LocalSGD's context (DDP's no_sync) and call its step() after every optimizer step.
+        from accelerate import Accelerator
+        from accelerate.local_sgd import LocalSGD
+        acc = Accelerator(cpu=True)
+        net = acc.prepare_model(model)
+        peer = LocalSGD(accelerator=acc, model=net, local_sgd_steps=kwargs["local_sgd_steps"], enabled=True)
+        if not peer.enabled:
+            raise RuntimeError(f"Accelerate sees {acc.distributed_type}, not a multi-process run: LocalSGD is off")
+        peer.__enter__()
+        return net, inner, peer
+    if kind == "floor":
+        return model, inner, None
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def peer_bytes(kind: str, kwargs: Dict[str, Any], grad_bytes: int, step: int, synced: bool,
+               compressed: int) -> int:
+    """Bytes a non-flodl row handed to collectives at this step (the flodl rows report SyncStats)."""
+    if kind == "floor":
+        return 0
+    if kind == "ddp" and kwargs.get("hook") == "fp16":
+        return grad_bytes // 2
+    if kind == "ddp" and kwargs.get("hook") == "powersgd":
+        return grad_bytes if step <= kwargs["start_iter"] else compressed
+    return grad_bytes if synced else 0  # ddp, postlocal (warm-up, averages), accel (averages)
+
+
 def lr_factor(step: int, warmup: int, steps: int) -> float:
     """Linear warm-up, cosine decay to 10% at ``steps``, then held at 10%."""
     if step < warmup:
@@ -178,18 +352,14 @@ def worker(cfg: Dict[str, Any]) -> None:
     inner = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.99), weight_decay=0.01)
     steps = cfg["steps"]
     sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: lr_factor(s, cfg["warmup"], steps))
-    net: torch.nn.Module = model
-    if kind == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-        net = DistributedDataParallel(model)  # broadcasts rank 0's weights
-        opt: Any = inner
-    elif kind == "distopt":
-        flo.broadcast_parameters(model.state_dict(), root_rank=0)
-        opt = flo.DistributedOptimizer(inner, named_parameters=model.named_parameters())
-    elif kind == "local":
-        opt = flo.LocalSGDOptimizer(inner, model=model, max_grad_norm=1.0, lr_scheduler=sched, **kwargs)
-    else:
-        raise ValueError(f"unknown kind {kind!r}")
+    try:
+        net, opt, peer = build(kind, kwargs, model, inner, sched, grad_bytes)
+    except flo.ConfigError as e:  # a row the library refuses (the same on every rank): reported as such
+        with open(cfg["out"] + f".rank{rank}.json", "w") as f:
+            json.dump({"rank": rank, "refused": str(e)}, f)
+        flo.shutdown()
+        return
+    compressed = powersgd_bytes(params, kwargs["rank"]) if kwargs.get("hook") == "powersgd" else 0
     period = period_of(kind, kwargs)
     eval_every = -(-cfg["eval_every"] // period) * period
     streaming = kind == "local" and (kwargs.get("fragments", 1) > 1 or kwargs.get("overlap_steps", 0) > 0)
@@ -199,11 +369,7 @@ def worker(cfg: Dict[str, Any]) -> None:
     def val_loss() -> float:
         if streaming:  # the ranks' mean weights (see the module docstring)
             mine = [p.detach().clone() for p in params]
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
-            dist.all_reduce(flat)
-            flat /= world
-            torch._foreach_copy_([p.data for p in params],
-                                 [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in params]), params)])
+            mean_params(params, world)
             try:
                 return _val_loss()
             finally:
@@ -231,12 +397,21 @@ def worker(cfg: Dict[str, Any]) -> None:
         return t.item()
 
     def synced() -> bool:
-        return kind != "local" or streaming or opt.steps_since_sync == 0
+        if kind == "local":
+            return streaming or opt.steps_since_sync == 0
+        if kind == "postlocal":  # the averager's own schedule: DDP's all-reduce, then every period
+            a = opt.averager
+            return a.step <= a.warmup_steps or (a.step - 1 - a.warmup_steps) % a.period == 0
+        if kind == "accel":
+            return peer.num_steps % peer.local_sgd_steps == 0
+        return True  # ddp, distopt (identical every step); floor (independent ranks: nothing to wait for)
 
     anchor, target = cfg["anchor"], cfg["target"]
     # Without a target (no anchor in the run, no --target-loss) everyone runs exactly --steps.
     max_steps = steps if anchor or target is None else int(math.ceil(cfg["cap_steps"] * steps))
     wall_cap = None if anchor or cfg["ddp_wall"] is None else cfg["cap_wall"] * cfg["ddp_wall"]
+    if kind == "floor":  # exactly DDP's steps to its target (--steps without an anchor), no target stop
+        max_steps, target, wall_cap = cfg["floor_steps"] or steps, None, None
     say = print if rank == 0 else (lambda *a, **k: None)
     curve: List[List[float]] = []
     sync_bytes = 0
@@ -256,11 +431,13 @@ def worker(cfg: Dict[str, Any]) -> None:
         loss = loss_fn(net, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if kind == "ddp":
+        if kind in ("ddp", "postlocal", "accel", "floor"):  # torch's loop: clip, step, schedule
             torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            opt.step()  # postlocal: + PeriodicModelAverager
             sched.step()
-            sync_bytes += grad_bytes
+            if kind == "accel":
+                peer.step()  # Accelerate's LocalSGD: every local_sgd_steps, average the params
+            sync_bytes += peer_bytes(kind, kwargs, grad_bytes, step, synced(), compressed)
         elif kind == "distopt":  # Horovod's way: average, clip, step
             opt.synchronize()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -273,6 +450,9 @@ def worker(cfg: Dict[str, Any]) -> None:
         last = step >= max_steps
         if kind == "local" and last and (opt.steps_since_sync > 0 or streaming):
             opt.sync()  # end on the consensus (streaming: every fragment, what is in flight first)
+        if kind in ("postlocal", "accel") and last and not synced():
+            mean_params(params, world)  # end on the consensus, as the flodl rows do
+            sync_bytes += grad_bytes
         if kind == "local" and opt.last_sync is not None and opt.last_sync is not last_stats:
             last_stats = opt.last_sync
             sync_bytes += last_stats.bytes
@@ -290,7 +470,7 @@ def worker(cfg: Dict[str, Any]) -> None:
                 next_eval += eval_every
             # Every input of the stop decision is identical on every rank (all-reduced).
             if last:
-                stop_reason = "steps" if anchor else "step cap"
+                stop_reason = "steps" if anchor or kind == "floor" else "step cap"
             elif not anchor and step >= steps and target is not None and v <= target:
                 stop_reason = "target"
             elif wall_cap is not None and step >= steps and wall >= wall_cap:
@@ -473,10 +653,12 @@ def measure_link(topo: Topology, rate_bps: float, seconds: float = 1.5) -> List[
 
 # =============================================================================== driver
 def run_method(topo: Topology, args, rate: str, method: str, target: Optional[float],
-               ddp_wall: Optional[float], port: int, tmp: str) -> Dict[str, Any]:
+               ddp_wall: Optional[float], port: int, tmp: str,
+               floor_steps: Optional[int] = None) -> Dict[str, Any]:
     kind, kwargs = METHODS[method]
     out = os.path.join(tmp, f"{rate}-{method}")
     cfg = {"kind": kind, "kwargs": kwargs, "method": method, "rate": rate, "steps": args.steps,
+           "floor_steps": floor_steps,
            "anchor": method == ANCHOR, "target": target, "ddp_wall": ddp_wall,
            "cap_steps": args.cap_steps, "cap_wall": args.cap_wall, "eval_every": args.eval_every,
            "eval_batches": args.eval_batches, "seed": args.seed, "lr": args.lr, "warmup": 30,
@@ -511,13 +693,17 @@ def run_method(topo: Topology, args, rate: str, method: str, target: Optional[fl
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{rate} {method}: did not finish in --run-timeout {args.run_timeout:.0f} s")
             failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed:
-                time.sleep(1.0)  # let the others' errors land too
+            refused = [i for i, p in enumerate(procs) if p.poll() == 0 and _refusal(out, i)]
+            if failed or refused:
+                time.sleep(1.0)  # let the others' errors (or refusals) land too
                 break
             time.sleep(0.2)
     finally:
         topo.kill(procs)
         th.join(timeout=5)
+    refusals = [m for m in (_refusal(out, i) for i in range(topo.ranks)) if m]
+    if refusals:  # the library refused the row's settings: a result, not a failure of the tool
+        return {"refused": refusals[0], "kind": kind, "kwargs": kwargs}
     ranks = []
     # A rank that failed on its own first; the ones this tool killed after it (-9) come last.
     for i, p in sorted(enumerate(procs), key=lambda ip: ip[1].returncode == -signal.SIGKILL):
@@ -536,10 +722,20 @@ def run_method(topo: Topology, args, rate: str, method: str, target: Optional[fl
     return row
 
 
+def _refusal(out: str, rank: int) -> Optional[str]:
+    try:
+        with open(out + f".rank{rank}.json") as f:
+            return json.load(f).get("refused")
+    except (OSError, ValueError):
+        return None
+
+
 def summarize(ranks: List[Dict[str, Any]], target, ddp_wall, kind, kwargs) -> Dict[str, Any]:
     r0 = ranks[0]
     curve = r0["curve"]
     ttt = next(((w, s) for s, w, v in curve if target is not None and v <= target), None)
+    if kind == "floor":  # its time is the compute of DDP's steps to target; its losses are no model's
+        ttt = (max(r["wall_s"] for r in ranks), r0["steps"])
     at_ddp = None
     if ddp_wall is not None:
         at_ddp = [v for s, w, v in curve if w <= ddp_wall * (1 + 1e-9)][-1]
@@ -553,16 +749,62 @@ def summarize(ranks: List[Dict[str, Any]], target, ddp_wall, kind, kwargs) -> Di
             "curve": [{"step": s, "wall_s": w, "val_loss": v} for s, w, v in curve]}
 
 
+def race(rows: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """One rate's reading: DDP's time to target, the best peer (the fastest non-flodl row that reached
+    the target), the floor, and per row its speed-up over DDP and over the best peer (their time / its
+    time), its time over the floor's, and its steps to target over DDP's."""
+    def ttt(name: Optional[str]) -> Optional[float]:
+        return rows.get(name, {}).get("time_to_target_s") if name else None
+    peers = [(r["time_to_target_s"], n) for n, r in rows.items()
+             if r.get("kind") in PEER_KINDS and r.get("time_to_target_s") is not None]
+    best = min(peers)[1] if peers else None
+    ddp_t, best_t = ttt(ANCHOR), ttt(best)
+    floor = next((n for n, r in rows.items() if r.get("kind") == "floor" and r.get("time_to_target_s")), None)
+    floor_t = ttt(floor)
+    ddp_steps = rows.get(ANCHOR, {}).get("steps_to_target")
+    per_row = {}
+    for n, r in rows.items():
+        t, st = r.get("time_to_target_s"), r.get("steps_to_target")
+        per_row[n] = {"vs_ddp": ddp_t / t if t and ddp_t else None,
+                      "vs_best_peer": best_t / t if t and best_t and r.get("kind") != "floor" else None,
+                      "x_floor": t / floor_t if t and floor_t else None,
+                      "steps_vs_ddp": st / ddp_steps if st and ddp_steps else None}
+    return {"ddp_s": ddp_t, "best_peer": best, "best_peer_s": best_t, "floor_s": floor_t,
+            "ddp_steps_to_target": ddp_steps, "rows": per_row}
+
+
+def stamp_race(rows: Dict[str, Dict[str, Any]]) -> None:
+    """Write the race's reading into every row of the JSON (``row["race"]``: best peer named)."""
+    rc = race(rows)
+    for n, r in rows.items():
+        r["race"] = {"best_peer": rc["best_peer"], "best_peer_s": rc["best_peer_s"], "floor_s": rc["floor_s"],
+                     **rc["rows"][n]}
+
+
 def fmt_table(rate: str, rows: Dict[str, Dict[str, Any]]) -> str:
-    anchor = rows.get(ANCHOR, {}).get("time_to_target_s")
-    lines = [f"| {rate} | steps | wall s | time to target s | vs DDP | loss at DDP's time | final loss | MB/rank |",
-             "|---|---|---|---|---|---|---|---|"]
+    rc = race(rows)
+    f = (lambda v, p=".4f": "-" if v is None else format(v, p))
+    x = (lambda v: "-" if v is None else f"{v:.2f}x")
+    best = rc["best_peer"]
+    head = (f"best peer: {best} ({rc['best_peer_s']:.1f} s)" if best else "best peer: none reached the target")
+    if rc["floor_s"]:
+        head += f"; floor {rc['floor_s']:.1f} s (DDP's {rc['ddp_steps_to_target']} steps, no communication)"
+    lines = [head,
+             f"| {rate} | steps | steps to target (vs DDP) | wall s | time to target s | vs DDP | vs best peer "
+             f"| x floor | loss at DDP's time | final loss | MB/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        t = r["time_to_target_s"]
-        speed = f"{anchor / t:.2f}x" if (t and anchor) else ("never" if t is None else "-")
-        f = (lambda v, p=".4f": "-" if v is None else format(v, p))
-        lines.append(f"| {name} | {r['steps']} | {r['wall_s']:.1f} | {f(t, '.1f')} | {speed} | "
-                     f"{f(r['loss_at_ddp_time'])} | {r['final_loss']:.4f} | {r['bytes_per_rank'] / 1e6:.1f} |")
+        if "refused" in r:
+            lines.append(f"| {name} | refused: {r['refused']} |" + " |" * 9)
+            continue
+        t, q = r["time_to_target_s"], rc["rows"][name]
+        speed = x(q["vs_ddp"]) if t is not None else "never"
+        st = r.get("steps_to_target")
+        steps_col = "-" if st is None else f"{st}" + (f" ({x(q['steps_vs_ddp'])})" if q["steps_vs_ddp"] else "")
+        floor = r.get("kind") == "floor"  # independent ranks: no model's loss
+        lines.append(f"| {name} | {r['steps']} | {steps_col} | {r['wall_s']:.1f} | {f(t, '.1f')} | {speed} | "
+                     f"{x(q['vs_best_peer'])} | {x(q['x_floor'])} | {'n/a' if floor else f(r['loss_at_ddp_time'])} "
+                     f"| {'n/a' if floor else f(r['final_loss'])} | {r['bytes_per_rank'] / 1e6:.1f} |")
     return "\n".join(lines)
 
 
@@ -582,9 +824,13 @@ def plot(results: Dict[str, Dict[str, Any]], path: str) -> None:
               "localsgd-k16-stream": "tab:green", "diloco-h64-stream": "tab:red", "localsgd-auto": "tab:purple",
               "localsgd-k16-moments": "tab:pink", "localsgd-k16-moments2": "tab:olive",
               "localsgd-k16-moments-bf16": "magenta", "localsgd-k16-moments2-bf16": "darkgoldenrod",
-              "localsgd-k16-dsync": "navy"}
+              "localsgd-k16-dsync": "navy", "recommended": "tab:red", "diloco-h64-f4-o2-int8": "darkred",
+              "ddp-powersgd2": "#9ecae1", "ddp-powersgd4": "#4292c6", "ddp-powersgd8": "#08306b",
+              "ddp-fp16": "dimgray", "postlocal-k16": "#74c476", "accel-localsgd-k16": "#6a51a3"}
 
     def style(name: str) -> str:
+        if name in METHODS and METHODS[name][0] in PEER_KINDS and name != ANCHOR:
+            return "--"  # the peers dashed, the flodl rows solid
         return ("--" if name == "distopt" or name.endswith("-int8") else ":" if name.endswith("-stream")
                 else "-." if "-moments" in name else "-")
 
@@ -592,6 +838,12 @@ def plot(results: Dict[str, Dict[str, Any]], path: str) -> None:
         rows = results[rate]
         target = next((r["target_loss"] for r in rows.values() if r.get("target_loss")), None)
         for name, r in rows.items():
+            if "refused" in r:
+                continue
+            if r.get("kind") == "floor":  # a time, not a model: where any method of DDP's steps ends
+                ax.axvline(r["time_to_target_s"], color="gray", lw=1.0, ls="--",
+                           label=f"{LABELS.get(name, name)}: {r['time_to_target_s']:.0f} s")
+                continue
             xs = [p["wall_s"] for p in r["curve"]]
             ys = [p["val_loss"] for p in r["curve"]]
             ttt = r["time_to_target_s"]
@@ -608,7 +860,7 @@ def plot(results: Dict[str, Dict[str, Any]], path: str) -> None:
         ax.set_title(f"{rate}" + (f" (measured {meas:.0f} Mbit/s)" if meas else ""))
         ax.set_xlabel("wall-clock seconds (evaluation excluded)")
         ax.set_ylabel("validation loss")
-        finals = [r["final_loss"] for r in rows.values()]
+        finals = [r["final_loss"] for r in rows.values() if "refused" not in r and r.get("kind") != "floor"]
         if target is not None:  # zoom on the race to the target: the first steps are off the chart
             lo = min(finals + [target])
             ax.set_ylim(lo - 0.05 * max(lo, 1e-3) * 0.5, target + 0.6)
@@ -625,6 +877,7 @@ def plot(results: Dict[str, Dict[str, Any]], path: str) -> None:
 
 def report(results: Dict[str, Dict[str, Any]]) -> None:
     for rate, rows in results.items():
+        stamp_race(rows)
         link = next(iter(rows.values())).get("link", {})
         print(f"\n{rate}: link measured {link.get('measured_mbit', float('nan')):.1f} Mbit/s "
               f"(set {link.get('set_mbit', float('nan')):.0f}); target loss "
@@ -668,8 +921,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=8, help="fixed validation windows of 16 sequences")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--context", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--model", choices=sorted(MODELS), default="small",
+                   help="small: d_model 128, 2 layers (0.44M params); large: d_model 256, 4 layers (3.3M): "
+                        "the second workload. --d-model/--layers override it")
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--row", action="append", default=[], metavar="NAME=JSON",
+                   help='one more row for this run, e.g. \'h64-lr0.8={"kind": "local", "sync_every": 64, '
+                        '"outer": "diloco", "outer_args": {"lr": 0.8}}\' (tuning without editing METHODS)')
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--corpus-mb", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
@@ -679,6 +938,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--link-seconds", type=float, default=1.5, help="duration of each link probe")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.d_model = MODELS[args.model]["d_model"] if args.d_model is None else args.d_model
+    args.layers = MODELS[args.model]["layers"] if args.layers is None else args.layers
     if args.plot is None:  # beside the results, so a quick run cannot overwrite the committed figure
         src = args.json or args.replot
         args.plot = os.path.splitext(src)[0] + ".png" if src else "wan_time_to_loss.png"
@@ -698,7 +959,15 @@ def main(argv=None) -> int:
         if not args.no_plot:
             plot(results, args.plot)
         return 0
+    try:
+        for spec in args.row:
+            add_row(spec)
+    except ValueError as e:
+        print(f"bench_wan: --row {e}", file=sys.stderr)
+        return 2
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods += [spec.split("=", 1)[0].strip() for spec in args.row
+                if spec.split("=", 1)[0].strip() not in methods]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         print(f"bench_wan: unknown method(s) {', '.join(unknown) or '(none given)'}; "
@@ -756,8 +1025,13 @@ def main(argv=None) -> int:
                 port += 1
                 print(f"{rate} {method}: {args.ranks} ranks, {args.steps} steps"
                       + (f", target {target:.4f}" if target is not None else ""), flush=True)
-                row = run_method(topo, args, rate, method, target, ddp_wall, port, tmp)
-                row["link"], row["ranks"] = link, args.ranks
+                floor_steps = rows.get(ANCHOR, {}).get("steps_to_target")
+                row = run_method(topo, args, rate, method, target, ddp_wall, port, tmp, floor_steps)
+                row["link"], row["ranks"], row["model"] = link, args.ranks, args.model
+                if "refused" in row:
+                    rows[method] = row
+                    print(f"{rate} {method}: refused: {row['refused']}", flush=True)
+                    continue
                 if method == ANCHOR:
                     ddp_wall = row["wall_s"]
                     if target is None:
@@ -771,6 +1045,7 @@ def main(argv=None) -> int:
                       + ("-" if row["time_to_target_s"] is None else f"{row['time_to_target_s']:.1f} s")
                       + f", {row['bytes_per_rank'] / 1e6:.1f} MB/rank, stop: {row['stop']} "
                         f"[{time.monotonic() - t_start:.0f} s total]", flush=True)
+            stamp_race(rows)
             results[rate] = rows
             if args.json:
                 write_json(args.json, results)
@@ -784,6 +1059,20 @@ def main(argv=None) -> int:
     if not args.no_plot:
         plot(results, args.plot)
     return 0
+
+
+def add_row(spec: str) -> None:
+    """``NAME=JSON`` (``{"kind": ..., **keyword arguments}``) -> one more row of METHODS, for this run."""
+    name, sep, text = spec.partition("=")
+    try:
+        kw = json.loads(text) if sep else None
+    except ValueError as e:
+        raise ValueError(f"{spec!r}: the part after NAME= is not JSON ({e})")
+    if not name.strip() or not isinstance(kw, dict) or kw.get("kind") not in ("local",) + PEER_KINDS:
+        raise ValueError(f"{spec!r}: expected NAME={{\"kind\": \"local\" | \"ddp\" | \"postlocal\" | "
+                         f"\"accel\", ...keyword arguments}}")
+    kind = kw.pop("kind")
+    METHODS[name.strip()] = (kind, kw)
 
 
 def summarize_target(row: Dict[str, Any], target: float) -> Dict[str, Any]:

@@ -13,12 +13,11 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 # For a link of 100 Mbit/s or slower between ranks: DiLoCo every 64 steps, a quarter of the model at
-# a time, in flight while 2 more inner steps run. Why: on tools/bench_wan.py (2 ranks, 100 and
-# 25 Mbit/s) it was the fastest mode to DDP's loss that composes with the rest (BENCHMARKS.md).
-# When streaming syncs accept a compressed wire, adding "wire": "int8" here moves the README, the
-# benchmark's row and its test together.
+# a time, in flight while 2 more inner steps run, each fragment's pseudo-gradient sent in int8 (about
+# 1/4 of the bytes). Why: on tools/bench_wan.py (2 ranks, 100 and 25 Mbit/s) streaming DiLoCo was the
+# fastest mode to DDP's loss, and the int8 wire takes 3/4 of its bytes off the link (BENCHMARKS.md).
 SLOW_LINK: Mapping[str, Any] = MappingProxyType(
-    {"sync_every": 64, "outer": "diloco", "fragments": 4, "overlap_steps": 2})
+    {"sync_every": 64, "outer": "diloco", "fragments": 4, "overlap_steps": 2, "wire": "int8"})
 
 
 def as_call(setting: Mapping[str, Any]) -> str:

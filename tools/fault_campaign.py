@@ -532,14 +532,7 @@ def judge_malicious(t: Trial, res: JobResult, ref: Reference, cfg: Config) -> No
     if res.hang:
         t.hang, t.note = True, "job deadline passed"
         return
-    resumes = [e for e in events if e["event"] == "resume"]
-    starts = {e["start"] for e in resumes}
-    if len(resumes) == t.world and len(starts) == 1:
-        t.resumed_from = starts.pop()
-        t.steps_lost = cfg.snapshot_at - t.resumed_from
-        t.recover_s = max(e["load_s"] for e in resumes)
-    t.checked_steps, t.exact = _check_digests(events, t.attempt, t.world, ref)
-    t.exact = bool(t.exact and res.rc == 0 and _final_equal(res.dir, ref, t.world))
+    _judge_resume(t, events, res, ref, cfg)
     t.note = ", ".join(k for k, v in (("its code RAN", ran), ("not refused on every rank", not refused),
                                       ("did not fall back to prev.pt and finish bit-exact",
                                        not (t.exact and t.resumed_from == cfg.snapshot_at - cfg.sync_every)))
@@ -601,10 +594,19 @@ def judge_damage(t: Trial, res: JobResult, ref: Reference, cfg: Config) -> None:
     named = len({e["rank"] for e in refusals}) == t.world and all(
         target in e["message"] and f"rank(s) [{t.rank}]" in e["message"] for e in refusals)
     t.detail["detected"] = named
-    resumes = [e for e in events if e["event"] == "resume"]
     if res.hang:
         t.hang, t.note = True, "job deadline passed"
         return
+    _judge_resume(t, events, res, ref, cfg)
+    if not named:
+        t.note = "not refused on every rank with the file named" if refusals else "damage NOT detected"
+    t.recovered = named and bool(t.exact) and t.resumed_from == cfg.snapshot_at - cfg.sync_every
+
+
+def _judge_resume(t: Trial, events: list, res: JobResult, ref: Reference, cfg: Config) -> None:
+    """Where every rank resumed (one step for all, or nothing set), how much was lost, and whether the
+    run then ended bit-exact against the reference."""
+    resumes = [e for e in events if e["event"] == "resume"]
     starts = {e["start"] for e in resumes}
     if len(resumes) == t.world and len(starts) == 1:
         t.resumed_from = starts.pop()
@@ -612,9 +614,6 @@ def judge_damage(t: Trial, res: JobResult, ref: Reference, cfg: Config) -> None:
         t.recover_s = max(e["load_s"] for e in resumes)
     t.checked_steps, t.exact = _check_digests(events, t.attempt, t.world, ref)
     t.exact = bool(t.exact and res.rc == 0 and _final_equal(res.dir, ref, t.world))
-    if not named:
-        t.note = "not refused on every rank with the file named" if refusals else "damage NOT detected"
-    t.recovered = named and bool(t.exact) and t.resumed_from == cfg.snapshot_at - cfg.sync_every
 
 
 def judge_nan(t: Trial, res: JobResult, ref: Reference, cfg: Config) -> None:

@@ -15,6 +15,11 @@ same run, with the same tensors and the same process group:
 * ``torch average_parameters`` / ``torch PeriodicModelAverager``: PyTorch's
   ``torch.distributed.algorithms.model_averaging`` on the same parameters.
 
+With ``--base COMMIT`` every ``flo ...`` method is also timed with that commit's package (extracted
+with ``git archive``, imported as ``flodl_opt_base`` in the ranks), interleaved with the current
+one rep by rep, and a second table gives both medians and the ratio now/base. ``--base`` also takes
+a folder that already holds a ``flodl_opt_base`` package (for a machine without the git history).
+
 Each is reported as the median over repetitions (a barrier before each, the slowest rank's time
 per repetition), as a ratio to the floor, with the bytes handed to collectives per rank and the peak
 memory above the params themselves (RSS on CPU, ``torch.cuda.max_memory_allocated`` on GPU).
@@ -23,6 +28,7 @@ Run::
 
     python tools/bench_sync.py                       # 2 spawned Gloo ranks on CPU, 1M/10M/50M
     python tools/bench_sync.py --ranks 4 --sizes 10M --reps 15 --json out.json
+    python tools/bench_sync.py --sizes 10M,50M --only "flo avg,flo diloco,wire int8" --base fe50f4b
     torchrun --nproc-per-node 2 tools/bench_sync.py  # under a launcher: NCCL on GPUs, else Gloo
 """
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
 import time
 import warnings
@@ -40,6 +47,8 @@ import _bench_common as bc  # noqa: E402
 
 FLOOR = "floor: all_reduce"
 FLOOR_CHUNKED = "floor: chunked all_reduce"
+BASE_PACKAGE = "flodl_opt_base"  # the name --base's package is imported under
+BASE_SUFFIX = " [base]"          # appended to a method's name when it runs the base package
 
 
 def parse_size(s: str) -> int:
@@ -108,11 +117,13 @@ class Flo(Variant):
     """``LocalSGDOptimizer.sync()``; one untimed local step first so the rank has work to vote."""
 
     kwargs: Dict[str, Any] = {}
+    package = "flodl_opt"
 
     def __init__(self, *a):
         super().__init__(*a)
+        import importlib
         import torch
-        import flodl_opt as flo
+        flo = importlib.import_module(self.package)
         self.params = self.make_params()
         kw = dict(self.kwargs)
         kw.setdefault("broadcast_initial", False)
@@ -132,7 +143,8 @@ class Flo(Variant):
         if s is None:
             return {}
         self.bytes = s.bytes
-        return {"collectives": s.collectives}
+        # which package really ran it: the current one or --base's
+        return {"collectives": s.collectives, "package": type(self.opt).__module__.split(".")[0]}
 
 
 class FloWire(Flo):
@@ -201,6 +213,26 @@ VARIANTS = [
 ]
 
 
+def base_twin(cls: type) -> type:
+    """``cls`` (a ``Flo`` variant) run with the base package, under its name plus ``BASE_SUFFIX``."""
+    return type(cls.__name__ + "_base", (cls,), {"name": cls.name + BASE_SUFFIX, "package": BASE_PACKAGE})
+
+
+def resolve_base(spec: str) -> str:
+    """The folder to put on ``sys.path`` for ``flodl_opt_base``: ``spec`` itself where it holds that
+    package, else ``spec``'s commit extracted (tests/dist_harness.py's ``base_package``)."""
+    if os.path.isdir(os.path.join(spec, BASE_PACKAGE)):
+        return os.path.abspath(spec)
+    import tempfile
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from dist_harness import base_package
+    out = base_package(tempfile.mkdtemp(prefix="bench_sync_base_"), spec)
+    if out is None:
+        raise SystemExit(f"bench_sync: --base {spec!r} is neither a folder holding {BASE_PACKAGE}/ nor a "
+                         "commit git can archive here; extract the package (git archive) and pass its folder")
+    return out
+
+
 # ------------------------------------------------------------------ per rank
 def _sync_device(device) -> None:
     import torch
@@ -224,9 +256,14 @@ def worker(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     import flodl_opt as flo
     device = flo.device()
     probe = bc.MemoryProbe(device)
-    wanted = [v for v in VARIANTS if not cfg["only"] or any(k in v.name for k in cfg["only"])]
+    wanted = [v for v in VARIANTS if not cfg["only"] or any(
+        k == v.name if cfg.get("exact") else k in v.name for k in cfg["only"])]
     if not any(v is Floor for v in wanted):
         wanted.insert(0, Floor)
+    if cfg.get("base_dir"):
+        sys.path.insert(0, cfg["base_dir"])
+        # Each method right after its base twin: both see the same drift of the machine.
+        wanted = [c for v in wanted for c in ((v, base_twin(v)) if issubclass(v, Flo) else (v,))]
     out: Dict[str, Any] = {}
     # Warm every variant once on a small set: lazy imports and one-off buffers stay out of the figures.
     small = (bc.model_like_sizes(100_000, cfg["tensors"]), device, world, rank, cfg["chunk_bytes"])
@@ -287,6 +324,7 @@ def combine(per_rank: List[Dict[str, Any]], cfg: Dict[str, Any]) -> List[Dict[st
                 "MB moved": r0["info"][n]["bytes"] / 1e6,
                 "bytes x floor": r0["info"][n]["bytes"] / r0["info"][FLOOR]["bytes"],
                 "collectives": r0["info"][n].get("collectives", 1 if "chunked" not in n else None),
+                "package": r0["info"][n].get("package"),
                 "extra MB": mem / 1e6,
                 "extra copies": mem / (total * 4),
                 "reps": len(r0["times"][n]),
@@ -294,6 +332,19 @@ def combine(per_rank: List[Dict[str, Any]], cfg: Dict[str, Any]) -> List[Dict[st
                            for i in range(len(r0["times"][n]))],
             })
     return rows
+
+
+def compare_rows(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Each method timed with both packages: both medians and now/base."""
+    base = {(r["params"], r["method"][:-len(BASE_SUFFIX)]): r for r in rows if r["method"].endswith(BASE_SUFFIX)}
+    out = []
+    for r in rows:
+        b = base.get((r["params"], r["method"]))
+        if b is not None:
+            out.append({"params": r["params"], "method": r["method"], "now ms": r["ms"], "base ms": b["ms"],
+                        "now/base": r["ms"] / b["ms"], "now x floor": r["x floor"], "base x floor": b["x floor"],
+                        "MB moved now": r["MB moved"], "MB moved base": b["MB moved"], "reps": r["reps"]})
+    return out
 
 
 def bc_size(n: int) -> str:
@@ -311,8 +362,15 @@ def report(rows, cfg, world, backend) -> None:
     print(bc.table(rows, cols, {"ms": ".1f", "x floor": ".3f", "x chunked": ".3f", "MB moved": ".1f",
                                 "bytes x floor": ".3f",
                                 "extra MB": ".0f", "extra copies": ".2f"}))
+    compare = compare_rows(rows)
+    if compare:
+        print(f"\nnow vs base ({cfg['base']}): the same methods, interleaved in the same run")
+        print(bc.table(compare, ["params", "method", "now ms", "base ms", "now/base", "MB moved now",
+                                 "MB moved base"],
+                       {"now ms": ".1f", "base ms": ".1f", "now/base": ".3f", "MB moved now": ".1f",
+                        "MB moved base": ".1f"}))
     payload = {"benchmark": "bench_sync", "world": world, "backend": backend, "config": cfg,
-               "machine": bc.machine(), "rows": rows,
+               "machine": bc.machine(), "rows": rows, "compare": compare,
                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bc.write_json(cfg["json"], payload)
     if cfg["json"]:
@@ -329,12 +387,16 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_GLOO_CHUNK_BYTES,
                    help="Gloo chunk size for the library and the chunked floor")
-    p.add_argument("--only", default="", help="comma-separated substrings of method names to run")
+    p.add_argument("--only", default="", help="comma-separated substrings of method names to run (a comma "
+                   "followed by a space belongs to a name: 'flo avg,flo avg, wire int8')")
+    p.add_argument("--exact", action="store_true", help="--only names whole method names, not substrings")
     p.add_argument("--json", default="bench_sync.json", help="where to write the medians ('' = nowhere)")
+    p.add_argument("--base", default="", help="also time every flo method with this commit's package "
+                   "(or a folder holding flodl_opt_base/); prints now/base")
     a = p.parse_args(argv)
-    cfg = {"sizes": [parse_size(s) for s in a.sizes.split(",") if s], "tensors": a.tensors,
+    cfg = {"base": a.base, "base_dir": resolve_base(a.base) if a.base else "","sizes": [parse_size(s) for s in a.sizes.split(",") if s], "tensors": a.tensors,
            "reps": a.reps, "warmup": a.warmup, "chunk_bytes": a.chunk_bytes, "json": a.json,
-           "only": [s for s in a.only.split(",") if s]}
+           "only": [s for s in re.split(r",(?! )", a.only) if s], "exact": a.exact}
     if bc.under_launcher():
         import torch.distributed as dist
         import flodl_opt as flo

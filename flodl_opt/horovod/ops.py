@@ -367,6 +367,20 @@ def _group_names(tensors: Sequence[torch.Tensor], name: Optional[str], group,
     return [f"{base}[{i}/{len(tensors)}]" for i in range(len(tensors))]
 
 
+def _grouped(starts: List[Callable[[], int]]) -> int:
+    """One handle over the collectives ``starts`` begin; ``synchronize`` returns their results as a list."""
+    subs: List[int] = []
+    try:
+        for begin in starts:
+            subs.append(begin())
+    except BaseException:
+        for h in subs:  # every rank started these: finish them so the group stays in step
+            synchronize(h)
+        raise
+    works = [w for h in subs for w in _handles[h].works]
+    return _submit(works, lambda: [synchronize(h) for h in subs], None)  # type: ignore[arg-type,return-value]
+
+
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -378,16 +392,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
     """
     names = _group_names(tensors, name, process_group)
     start = allreduce_async_ if _inplace else allreduce_async
-    subs: List[int] = []
-    try:
-        for t, n in zip(tensors, names):
-            subs.append(start(t, average, n, op, prescale_factor, postscale_factor, process_group))
-    except BaseException:
-        for h in subs:  # every rank started these: finish them so the group stays in step
-            synchronize(h)
-        raise
-    works = [w for h in subs for w in _handles[h].works]
-    return _submit(works, lambda: [synchronize(h) for h in subs], None)  # type: ignore[arg-type,return-value]
+    return _grouped([lambda t=t, n=n: start(t, average, n, op, prescale_factor, postscale_factor, process_group)
+                     for t, n in zip(tensors, names)])
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -514,16 +520,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
                             process_group=None) -> int:
     """Start an allgather of every tensor of the list; ``synchronize`` returns the list of results."""
     names = _group_names(tensors, name, process_group, _ALLGATHER)
-    subs: List[int] = []
-    try:
-        for t, n in zip(tensors, names):
-            subs.append(allgather_async(t, n, process_group))
-    except BaseException:
-        for h in subs:  # every rank started these: finish them so the group stays in step
-            synchronize(h)
-        raise
-    works = [w for h in subs for w in _handles[h].works]
-    return _submit(works, lambda: [synchronize(h) for h in subs], None)  # type: ignore[arg-type,return-value]
+    return _grouped([lambda t=t, n=n: allgather_async(t, n, process_group) for t, n in zip(tensors, names)])
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,

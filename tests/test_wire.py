@@ -9,6 +9,7 @@ here in float64, element by element, within the error bound each format states
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -206,7 +207,12 @@ def rank_error_feedback(rank, world, mode):
         if label == "residuals dropped":
             for t in sd["flodl_opt"]["wire"]["residual"] + sd["flodl_opt"]["wire"]["owner_residual"]:
                 t.zero_()
-        o2.load_state_dict(sd)
+        if label == "residuals dropped":  # an edited state dict: the digest check would refuse it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                o2.load_state_dict(sd, strict=False)
+        else:
+            o2.load_state_dict(sd)
         results[label] = torch.equal(third_sync(q, o2), want)
     return results, float(err1), float(err2)
 

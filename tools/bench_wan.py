@@ -78,7 +78,8 @@ bound for every method alike).
 
 Evaluation. The validation loss is measured on the same fixed windows for every method every
 ``--eval-every`` steps, rounded up to a multiple of the method's sync period so that it always sees
-the consensus weights (identical on every rank); the run ends on a sync. Evaluation time (and its
+the consensus weights (identical on every rank); streaming rows, evaluated on the ranks' mean
+weights, are not rounded. The run ends on a sync. Evaluation time (and its
 tiny metric all-reduce) is excluded from the wall clock: each rank stops its clock around it. The
 wall time of a point is the slowest rank's.
 
@@ -360,9 +361,10 @@ def worker(cfg: Dict[str, Any]) -> None:
         flo.shutdown()
         return
     compressed = powersgd_bytes(params, kwargs["rank"]) if kwargs.get("hook") == "powersgd" else 0
-    period = period_of(kind, kwargs)
-    eval_every = -(-cfg["eval_every"] // period) * period
     streaming = kind == "local" and (kwargs.get("fragments", 1) > 1 or kwargs.get("overlap_steps", 0) > 0)
+    # Streaming rows are evaluated on the ranks' mean weights, which exist at every step: no rounding.
+    period = 1 if streaming else period_of(kind, kwargs)
+    eval_every = -(-cfg["eval_every"] // period) * period
     gen = torch.Generator().manual_seed(cfg["seed"] + rank)
 
     @torch.no_grad()

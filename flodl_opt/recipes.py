@@ -12,12 +12,15 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Mapping
 
-# For a link of 100 Mbit/s or slower between ranks: DiLoCo every 64 steps, a quarter of the model at
+# For a link of 100 Mbit/s or slower between ranks: DiLoCo every 32 steps, a quarter of the model at
 # a time, in flight while 2 more inner steps run, each fragment's pseudo-gradient sent in int8 (about
-# 1/4 of the bytes). Why: on tools/bench_wan.py (2 ranks, 100 and 25 Mbit/s) streaming DiLoCo was the
-# fastest mode to DDP's loss, and the int8 wire takes 3/4 of its bytes off the link (BENCHMARKS.md).
+# 1/4 of the bytes), after 8 warm-up steps that sync every step. Why: on tools/bench_wan.py (2 ranks,
+# 100 and 25 Mbit/s) H=32 reaches DDP's loss in 608 steps where H=64 needs 704-768; the 8 warm-up
+# syncs take streaming's 704 steps at H=32 down to 608; overlap and int8 keep the link off the step's
+# path (BENCHMARKS.md#race-against-the-peers).
 SLOW_LINK: Mapping[str, Any] = MappingProxyType(
-    {"sync_every": 64, "outer": "diloco", "fragments": 4, "overlap_steps": 2, "wire": "int8"})
+    {"sync_every": 32, "outer": "diloco", "fragments": 4, "overlap_steps": 2, "warmup_steps": 8,
+     "wire": "int8"})
 
 
 def as_call(setting: Mapping[str, Any]) -> str:

@@ -110,7 +110,8 @@ def test_recommended_row_is_the_library_recipe():
     bench = _bench()
     assert bench.METHODS["recommended"] == ("local", dict(SLOW_LINK))
     # Today's choice; the int8 row is the same setting with the compressed wire.
-    assert dict(SLOW_LINK) == {"sync_every": 64, "outer": "diloco", "fragments": 4, "overlap_steps": 2, "wire": "int8"}
+    assert dict(SLOW_LINK) == {"sync_every": 32, "outer": "diloco", "fragments": 4, "overlap_steps": 2,
+                               "warmup_steps": 8, "wire": "int8"}
     assert bench.METHODS["diloco-h64-f4-o2-int8"] == ("local", {**bench.STREAM_DILOCO, "wire": "int8"})
 
 

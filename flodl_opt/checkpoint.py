@@ -94,7 +94,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ConfigError, SyncError
-from .flat import state_dict_views
+from .sync.flat import state_dict_views
 from .optimizer import STATE_KEY, LocalSGDOptimizer, unwrap_model
 
 try:

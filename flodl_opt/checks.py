@@ -9,7 +9,7 @@ from torch import nn
 
 from . import ddp
 from .errors import ConfigError
-from .flat import unique
+from .sync.flat import unique
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

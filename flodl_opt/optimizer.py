@@ -5,7 +5,7 @@ The data path of one ``step()``::
     clip (global norm)  ->  inner step  ->  scheduler step  ->  count  ->  every K steps: sync
     sync = count -> reduce (one fused in-place collective per flat buffer) -> readout -> outer step
 
-With ``fragments=P`` / ``overlap_steps=tau`` (flodl_opt/streaming.py) the sync is per fragment:
+With ``fragments=P`` / ``overlap_steps=tau`` (flodl_opt/sync/streaming.py) the sync is per fragment:
 ``count -> snapshot + async reduce`` at the fragment's step, then ``tau`` steps later
 ``wait -> readout -> outer step -> merge`` (``W <- G + (W - S)``).
 
@@ -34,19 +34,19 @@ from torch import nn
 
 from . import ddp, launch
 from . import provenance  # who saved a state dict, live optimizers (flodl_opt/provenance.py)
-from .adaptive import AdaptiveSync
+from .hooks.adaptive import AdaptiveSync
 from .amp import scaler_says_skip
 from .build import build_sync, config_record
 from .checks import check_objects, unwrap_model
 from .config import _MISSING, SyncConfig
-from .consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
+from .sync.consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
 from .errors import ConfigError, NonFiniteWarning
-from .flat import FlatGroup
-from .hooks import SyncPoint
-from .outer import OuterSpec
+from .sync.flat import FlatGroup
+from .hooks.base import SyncPoint
+from .hooks.outer import OuterSpec
 from .stall import DEFAULT_STALL_WARNING_S
-from .streaming import StreamingSync, round_period
-from .wire import DEFAULT_WIRE_BLOCK, CompressedWire
+from .sync.streaming import StreamingSync, round_period
+from .transport.wire import DEFAULT_WIRE_BLOCK, CompressedWire
 from .wrapping import WrappedOptimizer
 
 STATE_KEY = "flodl_opt"
@@ -64,7 +64,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
             sync, and its trainable params are checked against the optimizer's.
         sync_every: K, local steps between syncs (>= 1; K=1 is synchronous model averaging), or
             ``"auto"`` / an ``AdaptiveSync(...)``: K chosen after each sync from the cohort's
-            all-reduced divergence, identically on every rank (flodl_opt/adaptive.py).
+            all-reduced divergence, identically on every rank (flodl_opt/hooks/adaptive.py).
         warmup_steps: sync after every step for the first N steps (post-local SGD).
         outer: ``None``/``"avg"``, ``"diloco"``, ``"slowmo"``, ``"easgd"``, an ``OuterOptimizer``,
             or a callable building a torch optimizer from a list of tensors.
@@ -81,18 +81,18 @@ class LocalSGDOptimizer(WrappedOptimizer):
             this rank waits at one sync longer than this (``None``: no watchdog thread).
         wire: what the param sync sends: ``"fp32"`` (the float32 reduce, default), or the
             rank's difference from the common anchor in ``"bf16"``, ``"fp16"`` or ``"int8"``
-            (1/2, 1/2, ~1/4 of the bytes; flodl_opt/wire.py says how and what it costs).
+            (1/2, 1/2, ~1/4 of the bytes; flodl_opt/transport/wire.py says how and what it costs).
         wire_block: elements per int8 scale (``wire="int8"``).
         error_feedback: carry each rank's quantization residual into its next sync (compressed
             wires only; the residual is in ``state_dict``).
         fragments: P, sync the model a fragment (~1/P of the bytes, whole tensors in layer order)
             at a time, fragment p at the steps ``t % K == p*K/P`` (``K % P == 0``).
         overlap_steps: tau < K/P, keep training tau steps while a fragment's sync is in flight,
-            then merge it as ``W <- G + (W - S)`` (flodl_opt/streaming.py). Defaults (1, 0)
+            then merge it as ``W <- G + (W - S)`` (flodl_opt/sync/streaming.py). Defaults (1, 0)
             are the blocking sync, bit for bit.
         sync_moments: also share an Adam/AdamW inner optimizer's moments at every sync, the
             second moment with the excess noise of each rank's small batch taken out, so local
-            steps move as gradient all-reduce's would (flodl_opt/moments.py; 4x the sync's bytes).
+            steps move as gradient all-reduce's would (flodl_opt/hooks/moments.py; 4x the sync's bytes).
         sync_moments_every: with ``sync_moments``, share the moments at every N-th sync only, over
             the steps since the last share: on average ``1 + 3/N`` times a plain sync's bytes.
         sync_moments_wire: with ``sync_moments``, how the moments travel: ``"fp32"`` (default) or
@@ -101,7 +101,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
             instead, with nothing sent: ``True`` at every step, measured from the rank's own
             gradients (every sync mode); ``"sync"`` at every sync, read from how far the rank's
             params drifted from the consensus (blocking float32 syncs without an outer optimizer; one
-            param-sized EMA of state). flodl_opt/moments.py has both formulas. Ranks' batches
+            param-sized EMA of state). flodl_opt/hooks/moments.py has both formulas. Ranks' batches
             of equal size.
     """
 
@@ -268,7 +268,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         return loss
 
     def _denoised_inner_step(self, closure: Optional[Callable[[], Any]]) -> Any:
-        """clip -> inner step, the step's second-moment noise excess taken out (flodl_opt/moments.py)."""
+        """clip -> inner step, the step's second-moment noise excess taken out (flodl_opt/hooks/moments.py)."""
         assert self._denoise is not None
         loss = None
         if closure is not None:  # the gradients must exist before the step reads them

@@ -29,8 +29,8 @@ from torch import nn
 
 import flodl_opt as flo
 from dist_harness import free_port, gather_object, run_ranks
-from flodl_opt.consensus import Consensus
-from flodl_opt.flat import pack
+from flodl_opt.sync.consensus import Consensus
+from flodl_opt.sync.flat import pack
 
 pytestmark = pytest.mark.gpu
 
@@ -252,7 +252,7 @@ OUTER_LR, OUTER_MU = 0.7, 0.5
 
 def _break_nccl_wait(monkeypatch):
     """Negative control: the reduce returns without making the current stream wait for NCCL."""
-    import flodl_opt.consensus as consensus_mod
+    import flodl_opt.sync.consensus as consensus_mod
     real, pending = consensus_mod.dist, []
 
     class _NoWait:

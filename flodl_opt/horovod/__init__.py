@@ -17,7 +17,7 @@ A Horovod script runs with renames only (``import flodl_opt as hvd``)::
 
 ``DistributedOptimizer`` averages gradients before every inner step, bucket by bucket while
 backward still runs (a persistent flat buffer per gradient dtype, each ``p.grad`` a view of it;
-``flodl_opt/grad_buckets.py``), not one collective per parameter. Swapping it for
+``flodl_opt/transport/grad_buckets.py``), not one collective per parameter. Swapping it for
 ``LocalSGDOptimizer`` is the one-argument change to local SGD.
 
 Layout: this module is the API (``DistributedOptimizer``, the broadcasts, the object collectives);
@@ -56,8 +56,8 @@ import torch.distributed as dist
 from .. import launch
 from ..wrapping import WrappedOptimizer, check_same_on_every_rank
 from ..errors import ConfigError
-from ..flat import unique
-from ..grad_buckets import DEFAULT_BUCKET_BYTES, BucketReducer, GradBuffer
+from ..sync.flat import unique
+from ..transport.grad_buckets import DEFAULT_BUCKET_BYTES, BucketReducer, GradBuffer
 from .common import (_ALLGATHER_OBJECT, _BROADCAST_OBJECT, _BROADCAST_OPTIMIZER_STATE, _BROADCAST_PARAMETERS,
                      _DISTRIBUTED_OPTIMIZER, Adasum, Average, Compression, Compressor, Max, Min, Product,
                      ReduceOp, Sum, _agree, _comm_device, _global_rank, _group_size, _op, check_call)
@@ -363,7 +363,7 @@ class DistributedOptimizer(WrappedOptimizer):
     gradient dtype, cut into buckets of about ``bucket_bytes``; as in Horovod and DDP, a bucket's
     collective starts during backward as soon as its last gradient is accumulated, so communication
     overlaps the rest of backward, and ``step()``/``synchronize()`` wait for what is in flight
-    (``flodl_opt/grad_buckets.py``). Gradients accumulate locally over ``backward_passes_per_step``
+    (``flodl_opt/transport/grad_buckets.py``). Gradients accumulate locally over ``backward_passes_per_step``
     backward passes between steps (only the last pass starts collectives; scale the loss yourself,
     as in Horovod: the accumulated sum is what gets averaged). A parameter that got no gradient on
     a rank (unused, or a layer that rank's graph skipped) contributes zeros there; its bucket is

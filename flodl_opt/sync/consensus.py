@@ -30,7 +30,7 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, NonFiniteError, NonFiniteWarning, SyncError
+from ..errors import ConfigError, NonFiniteError, NonFiniteWarning, SyncError
 from .flat import FlatGroup
 
 # Measured with tools/bench_sync.py on 2 Gloo ranks: smaller chunks overlap more but each Gloo
@@ -104,7 +104,7 @@ class SyncStats:
     bytes: int = 0                 # bytes this rank handed to collectives
     collectives: int = 0           # collectives issued
     outer: Optional[str] = None    # outer step applied, if any
-    fragment: Optional[int] = None  # streaming syncs: the fragment synced (flodl_opt/streaming.py)
+    fragment: Optional[int] = None  # streaming syncs: the fragment synced (flodl_opt/sync/streaming.py)
     next_every: Optional[int] = None     # K: local steps until the next sync (after warm-up)
     cohort_divergence: Optional[float] = None  # sync_every="auto": RMS divergence of the cohort
 
@@ -154,7 +154,7 @@ class Consensus:
         self._valid: dict = {}    # id(group) -> elements of the copy taken at this sync
         self._scratch_is_delta = False  # holds W_i_pre - C (after the readout) rather than W_i_pre
         self._tmps: dict = {}     # dtype -> one block of scratch for the chunked readout
-        self.wire = None          # a CompressedWire (flodl_opt/wire.py) replaces the float32 reduce
+        self.wire = None          # a CompressedWire (flodl_opt/transport/wire.py) replaces the float32 reduce
 
     # ------------------------------------------------------------------ steps
     def shares(self, steps: int, nonfinite: bool) -> "tuple[float, float]":

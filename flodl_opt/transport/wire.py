@@ -28,7 +28,7 @@ dtype (``N-1`` roundings; measured on 3 ranks: 1.5x the error of one rounding), 
 sums can overflow; NCCL's bf16 PREMUL_SUM is unreliable (DESIGN.md). Summing in float32 at the
 owner costs the second rounding of step 4 only, whatever ``N`` is.
 
-The formats and their error bounds are in flodl_opt/codecs.py (the registry ``wire=`` reads).
+The formats and their error bounds are in flodl_opt/transport/codecs.py (the registry ``wire=`` reads).
 
 Every element is encoded twice (step 1 by its rank, step 4 by its owner), so the consensus error
 per element is at most ``sum_i err(x_i) + err(S)`` with ``S`` the float32 sum.
@@ -64,13 +64,13 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .codecs import (CODECS, DEFAULT_WIRE_BLOCK, WIRES, Codec, _ALIGN, _BF16_U, _FP16_U,  # noqa: F401
                      make_codec)
-from .flat import FlatGroup
+from ..sync.flat import FlatGroup
 
 if TYPE_CHECKING:  # consensus imports nothing from here: no cycle at run time
-    from .consensus import Consensus, SyncStats
+    from ..sync.consensus import Consensus, SyncStats
 
 
 

@@ -48,13 +48,13 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .adaptive import AdaptiveSync, share_drift
+from ..hooks.adaptive import AdaptiveSync, share_drift
 from .consensus import SyncStats, gamma_mass, warn_nonfinite
-from .errors import ConfigError, NonFiniteError, SyncError
+from ..errors import ConfigError, NonFiniteError, SyncError
 from .flat import FlatGroup
-from .codecs import Codec
-from .outer import DiLoCo, OuterAvg, OuterOptimizer, SlowMo
-from .stream_wire import FragmentWire
+from ..transport.codecs import Codec
+from ..hooks.outer import DiLoCo, OuterAvg, OuterOptimizer, SlowMo
+from ..transport.stream_wire import FragmentWire
 
 _BLOCK = 1 << 18  # elements per block of the fused local passes (1 MiB of float32 stays in cache)
 

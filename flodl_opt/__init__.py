@@ -9,7 +9,7 @@ an outer optimizer step (DiLoCo, SlowMo, EASGD).
     opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, sync_every=16)
 """
 from .hooks.adaptive import AdaptiveSync
-from .sync.consensus import SyncStats
+from .sync.stats import SyncStats
 from .dcp import DCPState
 from .checkpoint import (CheckpointSyncError, CheckpointWriteError, UnsafeCheckpointWarning, load_checkpoint,
                          save_checkpoint, wait_checkpoint)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from .hooks.adaptive import AdaptiveSync, make_adaptive
-from .sync.consensus import DEFAULT_GLOO_CHUNK_BYTES
+from .transport.float32 import DEFAULT_GLOO_CHUNK_BYTES
 from .errors import ConfigError
 from .hooks.moments import MOMENT_WIRES, check_optimizer
 from .hooks.outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer

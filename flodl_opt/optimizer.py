@@ -39,7 +39,9 @@ from .amp import scaler_says_skip
 from .build import build_sync, config_record
 from .checks import check_objects, unwrap_model
 from .config import _MISSING, SyncConfig
-from .sync.consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
+from .sync.consensus import Consensus
+from .sync.stats import SyncStats
+from .transport.float32 import DEFAULT_GLOO_CHUNK_BYTES
 from .errors import ConfigError, NonFiniteWarning
 from .sync.flat import FlatGroup
 from .hooks.base import SyncPoint

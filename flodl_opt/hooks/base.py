@@ -18,7 +18,8 @@ from typing import Any, Callable, ContextManager, List, Optional
 import torch
 
 from .adaptive import AdaptiveSync, share_drift
-from ..sync.consensus import Consensus, SyncStats
+from ..sync.consensus import Consensus
+from ..sync.stats import SyncStats
 from ..errors import ConfigError
 from .moments import DriftDenoise, MomentSync
 from .outer import OuterAvg, OuterOptimizer

@@ -87,7 +87,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..sync.consensus import SyncStats, gamma_mass
+from ..sync.stats import SyncStats, gamma_mass
 from ..errors import ConfigError, SyncError
 from ..transport.codecs import DEFAULT_WIRE_BLOCK, make_codec, moment_wires
 from ..transport.wire import narrow_sum, narrow_sum_bytes

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..hooks.adaptive import AdaptiveSync, share_drift
-from .consensus import SyncStats, gamma_mass, warn_nonfinite
+from .stats import SyncStats, gamma_mass, warn_nonfinite
 from ..errors import ConfigError, NonFiniteError, SyncError
 from .flat import FlatGroup
 from ..transport.codecs import Codec

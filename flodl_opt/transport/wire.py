@@ -70,7 +70,8 @@ from .codecs import (CODECS, DEFAULT_WIRE_BLOCK, WIRES, Codec, _ALIGN, _BF16_U, 
 from ..sync.flat import FlatGroup
 
 if TYPE_CHECKING:  # consensus imports nothing from here: no cycle at run time
-    from ..sync.consensus import Consensus, SyncStats
+    from ..sync.consensus import Consensus
+    from ..sync.stats import SyncStats
 
 
 

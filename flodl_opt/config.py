@@ -212,7 +212,7 @@ _VALUES: List[Tuple[str, Callable[[Any, dict], Any]]] = [
 # ---------------------------------------------------------------- rules between options
 def _schedule_broken(cfg: SyncConfig) -> bool:
     """K % P == 0 and tau < K/P (Schedule raises its own message); an adaptive K is rounded to fit."""
-    from .sync.streaming import Schedule, round_period
+    from .sync.schedule import Schedule, round_period
     a = cfg.adaptive
     k = cfg.fragments * (cfg.overlap_steps + 1) if a is not None else cfg.period
     Schedule(k, cfg.fragments, cfg.overlap_steps)

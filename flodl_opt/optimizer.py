@@ -47,7 +47,8 @@ from .sync.flat import FlatGroup
 from .hooks.base import SyncPoint
 from .hooks.outer import OuterSpec
 from .stall import DEFAULT_STALL_WARNING_S
-from .sync.streaming import StreamingSync, round_period
+from .sync.schedule import round_period
+from .sync.streaming import StreamingSync
 from .transport.wire import DEFAULT_WIRE_BLOCK, CompressedWire
 from .wrapping import WrappedOptimizer
 

@@ -29,12 +29,12 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, NonFiniteError, SyncError
+from ..errors import ConfigError, SyncError
 from ..transport.float32 import DEFAULT_GLOO_CHUNK_BYTES, GlooChunks, NcclPremulSum
 from .flat import FlatGroup
 from .norms import BLOCK, norm, sq, sq_sum, total
 from .presync import PresyncCopy
-from .stats import SyncStats, Totals, gamma_mass, set_readout, warn_nonfinite
+from .stats import SyncStats, Totals, all_nonfinite, gamma_mass, set_readout, warn_nonfinite
 
 class Consensus:
     """Runs the count / reduce / readout sequence over fixed flat buffers.
@@ -187,7 +187,7 @@ class Consensus:
         if totals.mass > 0.0:
             return totals
         if totals.nonfinite > 0:
-            raise self._all_nonfinite(totals)
+            raise all_nonfinite(totals.nonfinite, self.world_size)
         stats.skipped = True
         stats.ms = (time.perf_counter() - t0) * 1e3
         return None
@@ -197,12 +197,6 @@ class Consensus:
         stats.cohort_steps = int(totals.steps)
         stats.nonfinite = nonfinite
         stats.nonfinite_ranks = int(totals.nonfinite)
-
-    def _all_nonfinite(self, totals: Totals) -> NonFiniteError:
-        return NonFiniteError(
-            f"every rank that moved has non-finite params ({int(totals.nonfinite)} of "
-            f"{self.world_size}); refusing to average garbage. Lower the learning rate, "
-            "enable max_grad_norm, or resume from the last checkpoint.")
 
     def _warn_nonfinite(self, sync_number: int) -> None:
         warn_nonfinite(self.rank, sync_number)
@@ -268,7 +262,7 @@ class Consensus:
                         self.restore()
                         self._apply_totals(stats, totals, nonfinite)
                         if totals.mass <= 0.0:
-                            raise self._all_nonfinite(totals)
+                            raise all_nonfinite(totals.nonfinite, self.world_size)
                         post, diff = [], []
                         self._reduce_pipelined(stats, totals, steps, nonfinite, True, None, post, diff)
                     else:  # finite everywhere, the sum itself overflowed: as the NCCL path would

@@ -6,7 +6,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ..errors import NonFiniteWarning
+from ..errors import NonFiniteError, NonFiniteWarning
 
 
 def warn_nonfinite(rank: int, sync_number: int) -> None:
@@ -15,6 +15,14 @@ def warn_nonfinite(rank: int, sync_number: int) -> None:
                   "it got no vote and adopted the consensus of the other ranks. Lower the "
                   "learning rate or set max_grad_norm if this repeats.",
                   NonFiniteWarning, stacklevel=5)
+
+
+def all_nonfinite(ranks: float, world_size: int, where: str = "") -> NonFiniteError:
+    """The refusal when every rank that moved has NaN/Inf (decided from the shared totals)."""
+    return NonFiniteError(
+        f"every rank that moved has non-finite params{where} ({int(ranks)} of {world_size}); "
+        "refusing to average garbage. Lower the learning rate, enable max_grad_norm, or resume "
+        "from the last checkpoint.")
 
 
 def gamma_mass(n: int, gamma: float) -> float:

@@ -7,6 +7,7 @@ reads that start (the outer anchor, the wire's anchor, the streaming buffers).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import weakref
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import launch
-from .checks import unwrap_model
+from .checks import reset_nonfinite_state, unwrap_model
 from .config import SyncConfig
 from .sync.consensus import Consensus
 from .sync.flat import FlatGroup, own_storage_state_dicts, pack, signature, unique
@@ -92,7 +93,8 @@ def build_sync(opt: Any, cfg: SyncConfig, optimizer: torch.optim.Optimizer, mode
             cfg.overlap_steps, group, world, rank, launch.backend(), gamma=cfg.gamma,
             nonfinite_guard=cfg.nonfinite_guard, gloo_chunk_bytes=cfg.gloo_chunk_bytes,
             inner_lr=lambda: optimizer.param_groups[0]["lr"],
-            on_nonfinite=opt._reset_nonfinite_inner_state, waiting=opt._waiting, auto=cfg.adaptive,
+            on_nonfinite=functools.partial(reset_nonfinite_state, optimizer, rank), waiting=opt._waiting,
+            auto=cfg.adaptive,
             codec=make_codec(cfg.wire, cfg.wire_block) if cfg.compressed else None,
             error_feedback=cfg.error_feedback)
         stream.setup_outer()

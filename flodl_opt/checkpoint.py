@@ -95,7 +95,9 @@ from torch import nn
 
 from .errors import ConfigError, SyncError
 from .sync.flat import state_dict_views
-from .optimizer import STATE_KEY, LocalSGDOptimizer, unwrap_model
+from .checks import unwrap_model
+from .optimizer import LocalSGDOptimizer
+from .provenance import STATE_KEY
 
 try:
     import fcntl

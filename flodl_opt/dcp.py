@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ConfigError
-from .optimizer import LocalSGDOptimizer, unwrap_model
+from .checks import unwrap_model
+from .optimizer import LocalSGDOptimizer
 
 _REPLICATED, _PER_RANK = "replicated", "per_rank"
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Iterator, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..errors import ConfigError, SyncError
 from ..transport.float32 import DEFAULT_GLOO_CHUNK_BYTES, GlooChunks, NcclPremulSum
 from .flat import FlatGroup
-from .norms import BLOCK, norm, sq, sq_sum, total
+from .norms import norm, norm_sq, total
 from .presync import PresyncCopy
 from .stats import SyncStats, Totals, all_nonfinite, gamma_mass, set_readout, warn_nonfinite
 
@@ -76,6 +76,12 @@ class Consensus:
             return 0.0, 0.0
         return gamma_mass(steps, self.gamma), 1.0 if steps > 0 else 0.0
 
+    def weigh(self, stats: SyncStats, totals: Totals, steps: int, nonfinite: bool) -> float:
+        """This rank's param weight into ``stats.weight``; returns its float buffers' factor."""
+        mass, mover = self.shares(steps, nonfinite)
+        stats.weight = mass / totals.mass
+        return mover / totals.movers
+
     def count(self, steps: int, active: bool, nonfinite: bool, sync_number: int = 0) -> Totals:
         """One small SUM of [mass, mover, active, non-finite, steps, sync, sync^2] over the cohort.
 
@@ -114,14 +120,13 @@ class Consensus:
                           copy_pre: bool, pre_norms: Optional[list], post_norms: list,
                           diff_norms: Optional[list]) -> None:
         """Params (work-weighted) and float buffers (mover-weighted), all chunks in flight at once."""
-        mass, mover = self.shares(steps, nonfinite)
-        stats.weight = mass / totals.mass
+        buffer_factor = self.weigh(stats, totals, steps, nonfinite)
         works: list = []
         with torch.no_grad():
             for g in self.params:
                 self.transport.issue(g, stats.weight, copy_pre, pre_norms, works, True)
             for g in self.buffers:
-                self.transport.issue(g, mover / totals.movers, copy_pre, None, works, False)
+                self.transport.issue(g, buffer_factor, copy_pre, None, works, False)
             stats.collectives += len(works)
             self.transport.finish(works, post_norms, diff_norms)
         self._presync.is_delta = False
@@ -241,7 +246,7 @@ class Consensus:
                 return stats
             if not self.distributed:  # the params already are the consensus
                 stats.weight = 1.0
-                post_sq = pre_sq if pre_sq is not None else (self._norm_sq() or 0.0)
+                post_sq = pre_sq if pre_sq is not None else (norm_sq(self.params, self.comm_device.type == "cpu") or 0.0)
                 set_readout(stats, pre_sq, post_sq, 0.0 if self.keep_presync else None)
                 stats.ms = (time.perf_counter() - t0) * 1e3
                 return stats
@@ -291,24 +296,32 @@ class Consensus:
             stats.collectives += self.reduce(self.buffers, factor)
             stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in self.buffers)
 
-    def _run_nccl(self, steps: int, sync_number: int, active: bool) -> SyncStats:
-        """NCCL: pre-norm and pre-sync copy, then one PREMUL_SUM per buffer, then the readout."""
+    def run_one_shot(self, steps: int, sync_number: int, active: bool,
+                     reduce: Callable[[SyncStats, float], None]) -> SyncStats:
+        """begin -> count -> ``reduce(stats, buffer_factor)`` -> readout, restored on failure:
+        the NCCL float32 sync and the compressed wire (flodl_opt/transport/wire.py) alike."""
         t0, stats, pre_sq, nonfinite = self.begin(steps, sync_number)
         with self._restore_on_failure(sync_number):
             totals = self._count_or_skip(stats, steps, active, nonfinite, sync_number, t0)
             if totals is None:
                 return stats
-            mass, mover = self.shares(steps, nonfinite)
-            stats.weight = mass / totals.mass
+            buffer_factor = self.weigh(stats, totals, steps, nonfinite)
             with torch.no_grad():
-                stats.collectives += self.reduce(self.params, stats.weight)
-                self.reduce_buffers(stats, mover / totals.movers)
-            stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in self.params)
+                reduce(stats, buffer_factor)
         if nonfinite:
-            self._warn_nonfinite(sync_number)
+            warn_nonfinite(self.rank, sync_number)  # from here: the warning names the caller of step()/sync()
         self.readout(stats, None if nonfinite else pre_sq)
         stats.ms = (time.perf_counter() - t0) * 1e3
         return stats
+
+    def _run_nccl(self, steps: int, sync_number: int, active: bool) -> SyncStats:
+        return self.run_one_shot(steps, sync_number, active, self._reduce_float32)
+
+    def _reduce_float32(self, stats: SyncStats, buffer_factor: float) -> None:
+        """NCCL: one PREMUL_SUM per buffer (the pre-norm and pre-sync copy were taken by ``begin``)."""
+        stats.collectives += self.reduce(self.params, stats.weight)
+        self.reduce_buffers(stats, buffer_factor)
+        stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in self.params)
 
     def buffers_nonfinite(self) -> bool:
         """Any NaN/Inf in this rank's float buffers (one host read; buffers are small)."""
@@ -316,16 +329,8 @@ class Consensus:
             return False
         return not bool(torch.stack([torch.isfinite(g.flat).all() for g in self.buffers]).all())
 
-    def _norm_sq(self) -> Optional[float]:
-        if not self.params:
-            return None
-        if self.comm_device.type == "cpu":  # blocks of BLAS dot: half the time of vector_norm
-            return total([sq(g.flat[b:b + BLOCK]) for g in self.params
-                          for b in range(0, g.numel, BLOCK)])
-        return sq_sum([norm(g.flat) for g in self.params])
-
     def _pre_norm_sq(self) -> Optional[float]:
         """||W_i||^2 before the sync: the readout's pre-norm and the non-finite guard in one pass."""
         if not self.params or not (self.nonfinite_guard or self.keep_presync):
             return None
-        return self._norm_sq()
+        return norm_sq(self.params, self.comm_device.type == "cpu")

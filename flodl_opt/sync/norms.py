@@ -4,7 +4,7 @@ Blocks of ``BLOCK`` elements (1 MiB of float32) keep the fused local passes in L
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -38,3 +38,13 @@ def total(squares: Sequence[torch.Tensor]) -> float:
     if not squares:
         return 0.0
     return float(torch.stack([q.double() for q in squares]).sum())
+
+
+def norm_sq(groups: Sequence, cpu: bool) -> Optional[float]:
+    """``sum ||g.flat||^2`` over flat groups (None for none): on a CPU in blocks of BLAS dot (half
+    the time of vector_norm), elsewhere one norm per buffer."""
+    if not groups:
+        return None
+    if cpu:
+        return total([sq(g.flat[b:b + BLOCK]) for g in groups for b in range(0, g.numel, BLOCK)])
+    return sq_sum([norm(g.flat) for g in groups])

@@ -21,6 +21,8 @@ backward still runs (a persistent flat buffer per gradient dtype, each ``p.grad`
 ``LocalSGDOptimizer`` is the one-argument change to local SGD.
 
 Layout: this module is the API (``DistributedOptimizer``, the broadcasts, the object collectives);
+``flodl_opt/horovod/averaging.py`` the gradient average behind ``DistributedOptimizer`` (its buffers,
+the contributor count, the argument checks);
 ``flodl_opt/horovod/ops.py`` holds the raw collectives (``allreduce``, ``allgather``, ``broadcast``,
 their ``_async`` forms, ``join``, ``barrier``), re-exported here; ``flodl_opt/horovod/common.py`` what
 both use (reduction ops, compression, the signature round).

@@ -8,8 +8,8 @@ an outer optimizer step (DiLoCo, SlowMo, EASGD).
     flo.init()
     opt = flo.LocalSGDOptimizer(torch.optim.AdamW(model.parameters()), model=model, sync_every=16)
 """
-from .adaptive import AdaptiveSync
-from .consensus import SyncStats
+from .hooks.adaptive import AdaptiveSync
+from .sync.stats import SyncStats
 from .dcp import DCPState
 from .checkpoint import (CheckpointSyncError, CheckpointWriteError, UnsafeCheckpointWarning, load_checkpoint,
                          save_checkpoint, wait_checkpoint)
@@ -27,7 +27,7 @@ from .horovod import (Adasum, Average, Compression, DistributedOptimizer, Max, M
 from .launch import (backend, device, init, is_initialized, launch_info, local_rank, local_size, rank,
                      shutdown, size)
 from .optimizer import LocalSGDOptimizer
-from .outer import DiLoCo, EASGD, OuterAvg, OuterOptimizer, SlowMo, TorchOuter
+from .hooks.outer import DiLoCo, EASGD, OuterAvg, OuterOptimizer, SlowMo, TorchOuter
 
 __version__ = "0.1.0"
 

@@ -7,6 +7,7 @@ reads that start (the outer anchor, the wire's anchor, the streaming buffers).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import weakref
 from dataclasses import dataclass
@@ -17,16 +18,16 @@ import torch.distributed as dist
 from torch import nn
 
 from . import launch
-from .checks import unwrap_model
+from .checks import reset_nonfinite_state, unwrap_model
 from .config import SyncConfig
-from .consensus import Consensus
-from .flat import FlatGroup, own_storage_state_dicts, pack, signature, unique
-from .hooks import AdaptiveHook, DriftHook, Hook, MomentsHook, OuterHook, StateHook
-from .moments import DriftDenoise, LocalDenoise, MomentSync
+from .sync.consensus import Consensus
+from .sync.flat import FlatGroup, own_storage_state_dicts, pack, signature, unique
+from .hooks.base import AdaptiveHook, DriftHook, Hook, MomentsHook, OuterHook, StateHook
+from .hooks.moments import DriftDenoise, LocalDenoise, MomentSync
 from .stall import StallWatchdog
-from .streaming import StreamingSync
-from .codecs import make_codec
-from .wire import CompressedWire, make_wire
+from .sync.streaming import StreamingSync
+from .transport.codecs import make_codec
+from .transport.wire import CompressedWire, make_wire
 from .wrapping import check_same_on_every_rank
 
 
@@ -62,7 +63,7 @@ def build_sync(opt: Any, cfg: SyncConfig, optimizer: torch.optim.Optimizer, mode
     wire = make_wire(cfg.wire, cfg.wire_block, cfg.error_feedback)  # None: the float32 reduce
     if wire is not None:
         wire.check_groups(param_groups)
-        if cfg.streaming:  # fragments carry their own compressed reduce (flodl_opt/stream_wire.py)
+        if cfg.streaming:  # fragments carry their own compressed reduce (flodl_opt/transport/stream_wire.py)
             wire = None
     buffer_groups = pack(float_buffers, "buffer")
     if inner_model is not None:  # packed tensors share one storage: state_dict() hands out copies
@@ -92,7 +93,8 @@ def build_sync(opt: Any, cfg: SyncConfig, optimizer: torch.optim.Optimizer, mode
             cfg.overlap_steps, group, world, rank, launch.backend(), gamma=cfg.gamma,
             nonfinite_guard=cfg.nonfinite_guard, gloo_chunk_bytes=cfg.gloo_chunk_bytes,
             inner_lr=lambda: optimizer.param_groups[0]["lr"],
-            on_nonfinite=opt._reset_nonfinite_inner_state, waiting=opt._waiting, auto=cfg.adaptive,
+            on_nonfinite=functools.partial(reset_nonfinite_state, optimizer, rank), waiting=opt._waiting,
+            auto=cfg.adaptive,
             codec=make_codec(cfg.wire, cfg.wire_block) if cfg.compressed else None,
             error_feedback=cfg.error_feedback)
         stream.setup_outer()

@@ -94,8 +94,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ConfigError, SyncError
-from .flat import state_dict_views
-from .optimizer import STATE_KEY, LocalSGDOptimizer, unwrap_model
+from .sync.flat import state_dict_views
+from .checks import unwrap_model
+from .optimizer import LocalSGDOptimizer
+from .provenance import STATE_KEY
 
 try:
     import fcntl

@@ -1,15 +1,17 @@
 """Checks on the objects ``LocalSGDOptimizer`` wraps (optimizer, model, scheduler) and on the ranks
-agreeing about them. The options themselves are checked in flodl_opt/config.py."""
+agreeing about them, before the first step and before each sync; and the inner state a rank drops
+after a non-finite sync. The options themselves are checked in flodl_opt/config.py."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import warnings
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from . import ddp
-from .errors import ConfigError
-from .flat import unique
+from .errors import ConfigError, NonFiniteWarning
+from .sync.flat import unique
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -59,3 +61,39 @@ def check_objects(optimizer: Any, model: Optional[nn.Module], lr_scheduler: Any,
     if extra:
         raise ConfigError(f"flodl_opt: the optimizer holds {len(extra)} tensor(s) that are not params of "
                           f"the model (shapes {extra[:4]}); pass the model those params belong to")
+
+
+def check_grads(params: Sequence[torch.Tensor]) -> None:
+    """At the first step: the gradients the sync schedule can handle."""
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            raise ConfigError("flodl_opt: sparse gradients are not supported (an nn.Embedding with "
+                              "sparse=True?); use sparse=False")
+
+
+def check_model_params(param_slots: Sequence[Tuple[nn.Module, str, torch.Tensor]],
+                       model: Optional[nn.Module]) -> None:
+    """Before a sync: a param replaced on the model after wrapping would be neither stepped nor synced."""
+    for mod, attr, p in param_slots:
+        if mod._parameters.get(attr) is not p:
+            name = next((n for n, m in unwrap_model(model).named_modules() if m is mod), "?")
+            name = f"{name}.{attr}" if name else attr
+            raise ConfigError(
+                f"flodl_opt: model param {name!r} was replaced after LocalSGDOptimizer was built "
+                "(a new nn.Parameter assigned to the module), so it is neither stepped nor synced. "
+                "Change weights in place (model.load_state_dict, param.data.copy_), or build the "
+                "inner optimizer and LocalSGDOptimizer after replacing it.")
+
+
+def reset_nonfinite_state(optimizer: torch.optim.Optimizer, rank: int, sync_number: int) -> None:
+    """A rank that adopted the consensus after NaN/Inf drops inner state that would re-poison it."""
+    bad = [p for p, st in optimizer.state.items()
+           if any(torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())
+                  for v in st.values())]
+    for p in bad:
+        del optimizer.state[p]
+    if bad:
+        # stacklevel: the caller of the sync (step() or sync()), called directly or as a partial
+        warnings.warn(f"flodl_opt: rank {rank} reset the inner optimizer state of {len(bad)} "
+                      f"param(s) holding NaN/Inf at sync #{sync_number}", NonFiniteWarning,
+                      stacklevel=4)

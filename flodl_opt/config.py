@@ -21,13 +21,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .adaptive import AdaptiveSync, make_adaptive
-from .consensus import DEFAULT_GLOO_CHUNK_BYTES
+from .hooks.adaptive import AdaptiveSync, make_adaptive
+from .transport.float32 import DEFAULT_GLOO_CHUNK_BYTES
 from .errors import ConfigError
-from .moments import MOMENT_WIRES, check_optimizer
-from .outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
+from .hooks.moments import MOMENT_WIRES, check_optimizer
+from .hooks.outer import OuterAvg, OuterOptimizer, OuterSpec, make_outer
 from .stall import DEFAULT_STALL_WARNING_S
-from .wire import DEFAULT_WIRE_BLOCK, WIRES, wire_config
+from .transport.wire import DEFAULT_WIRE_BLOCK, WIRES, wire_config
 
 _MISSING = object()
 
@@ -212,7 +212,7 @@ _VALUES: List[Tuple[str, Callable[[Any, dict], Any]]] = [
 # ---------------------------------------------------------------- rules between options
 def _schedule_broken(cfg: SyncConfig) -> bool:
     """K % P == 0 and tau < K/P (Schedule raises its own message); an adaptive K is rounded to fit."""
-    from .streaming import Schedule, round_period
+    from .sync.schedule import Schedule, round_period
     a = cfg.adaptive
     k = cfg.fragments * (cfg.overlap_steps + 1) if a is not None else cfg.period
     Schedule(k, cfg.fragments, cfg.overlap_steps)

@@ -9,7 +9,7 @@ which every rank holds bit for bit at a sync point, go in as DCP replicas, store
 
 A plain ``dcp.load({"model": model.state_dict(), ...})`` loads in place, into the tensors of the
 dict it is given; a wrapped model's ``state_dict()`` hands out copies (its params are views of
-one flat buffer, flodl_opt/flat.py), so in place alone would restore nothing. The state dict a
+one flat buffer, flodl_opt/sync/flat.py), so in place alone would restore nothing. The state dict a
 wrapped model returns is therefore also a DCP ``Stateful``: ``dcp.load`` calls its
 ``load_state_dict`` after filling it, which loads the model (:func:`load_in_place`).
 """
@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ConfigError
-from .optimizer import LocalSGDOptimizer, unwrap_model
+from .checks import unwrap_model
+from .optimizer import LocalSGDOptimizer
 
 _REPLICATED, _PER_RANK = "replicated", "per_rank"
 

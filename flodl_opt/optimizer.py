@@ -5,7 +5,7 @@ The data path of one ``step()``::
     clip (global norm)  ->  inner step  ->  scheduler step  ->  count  ->  every K steps: sync
     sync = count -> reduce (one fused in-place collective per flat buffer) -> readout -> outer step
 
-With ``fragments=P`` / ``overlap_steps=tau`` (flodl_opt/streaming.py) the sync is per fragment:
+With ``fragments=P`` / ``overlap_steps=tau`` (flodl_opt/sync/streaming.py) the sync is per fragment:
 ``count -> snapshot + async reduce`` at the fragment's step, then ``tau`` steps later
 ``wait -> readout -> outer step -> merge`` (``W <- G + (W - S)``).
 
@@ -25,7 +25,6 @@ Example (``torchrun --nproc-per-node 2 train.py``, or ``python train.py`` for on
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
@@ -34,28 +33,27 @@ from torch import nn
 
 from . import ddp, launch
 from . import provenance  # who saved a state dict, live optimizers (flodl_opt/provenance.py)
-from .adaptive import AdaptiveSync
 from .amp import scaler_says_skip
-from .build import build_sync, config_record
-from .checks import check_objects, unwrap_model
-from .config import _MISSING, SyncConfig
-from .consensus import Consensus, SyncStats, DEFAULT_GLOO_CHUNK_BYTES
-from .errors import ConfigError, NonFiniteWarning
-from .flat import FlatGroup
-from .hooks import SyncPoint
-from .outer import OuterSpec
+from .build import build_sync
+from .checks import check_grads, check_model_params, check_objects, reset_nonfinite_state
+from .config import SyncConfig
+from .cuda_streams import fence_before_sync, stream_key
+from .errors import ConfigError
+from .hooks.adaptive import AdaptiveSync
+from .hooks.base import SyncPoint
+from .hooks.outer import OuterSpec
 from .stall import DEFAULT_STALL_WARNING_S
-from .streaming import StreamingSync, round_period
-from .wire import DEFAULT_WIRE_BLOCK, CompressedWire
-from .wrapping import WrappedOptimizer
+from .state import LocalSGDState
+from .sync.schedule import round_period
+from .sync.stats import SyncStats
+from .transport.float32 import DEFAULT_GLOO_CHUNK_BYTES
+from .transport.wire import DEFAULT_WIRE_BLOCK
+from .wrapping import WrappedOptimizer, global_step_hooks
 
-STATE_KEY = "flodl_opt"
-STATE_VERSION = 1
-
-__all__ = ["LocalSGDOptimizer", "STATE_KEY", "unwrap_model"]
+__all__ = ["LocalSGDOptimizer"]
 
 
-class LocalSGDOptimizer(WrappedOptimizer):
+class LocalSGDOptimizer(LocalSGDState, WrappedOptimizer):
     """Local SGD around any torch optimizer, with a work-weighted consensus every ``sync_every`` steps.
 
     Args:
@@ -64,7 +62,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
             sync, and its trainable params are checked against the optimizer's.
         sync_every: K, local steps between syncs (>= 1; K=1 is synchronous model averaging), or
             ``"auto"`` / an ``AdaptiveSync(...)``: K chosen after each sync from the cohort's
-            all-reduced divergence, identically on every rank (flodl_opt/adaptive.py).
+            all-reduced divergence, identically on every rank (flodl_opt/hooks/adaptive.py).
         warmup_steps: sync after every step for the first N steps (post-local SGD).
         outer: ``None``/``"avg"``, ``"diloco"``, ``"slowmo"``, ``"easgd"``, an ``OuterOptimizer``,
             or a callable building a torch optimizer from a list of tensors.
@@ -81,18 +79,18 @@ class LocalSGDOptimizer(WrappedOptimizer):
             this rank waits at one sync longer than this (``None``: no watchdog thread).
         wire: what the param sync sends: ``"fp32"`` (the float32 reduce, default), or the
             rank's difference from the common anchor in ``"bf16"``, ``"fp16"`` or ``"int8"``
-            (1/2, 1/2, ~1/4 of the bytes; flodl_opt/wire.py says how and what it costs).
+            (1/2, 1/2, ~1/4 of the bytes; flodl_opt/transport/wire.py says how and what it costs).
         wire_block: elements per int8 scale (``wire="int8"``).
         error_feedback: carry each rank's quantization residual into its next sync (compressed
             wires only; the residual is in ``state_dict``).
         fragments: P, sync the model a fragment (~1/P of the bytes, whole tensors in layer order)
             at a time, fragment p at the steps ``t % K == p*K/P`` (``K % P == 0``).
         overlap_steps: tau < K/P, keep training tau steps while a fragment's sync is in flight,
-            then merge it as ``W <- G + (W - S)`` (flodl_opt/streaming.py). Defaults (1, 0)
+            then merge it as ``W <- G + (W - S)`` (flodl_opt/sync/streaming.py). Defaults (1, 0)
             are the blocking sync, bit for bit.
         sync_moments: also share an Adam/AdamW inner optimizer's moments at every sync, the
             second moment with the excess noise of each rank's small batch taken out, so local
-            steps move as gradient all-reduce's would (flodl_opt/moments.py; 4x the sync's bytes).
+            steps move as gradient all-reduce's would (flodl_opt/hooks/moments.py; 4x the sync's bytes).
         sync_moments_every: with ``sync_moments``, share the moments at every N-th sync only, over
             the steps since the last share: on average ``1 + 3/N`` times a plain sync's bytes.
         sync_moments_wire: with ``sync_moments``, how the moments travel: ``"fp32"`` (default) or
@@ -101,7 +99,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
             instead, with nothing sent: ``True`` at every step, measured from the rank's own
             gradients (every sync mode); ``"sync"`` at every sync, read from how far the rank's
             params drifted from the consensus (blocking float32 syncs without an outer optimizer; one
-            param-sized EMA of state). flodl_opt/moments.py has both formulas. Ranks' batches
+            param-sized EMA of state). flodl_opt/hooks/moments.py has both formulas. Ranks' batches
             of equal size.
     """
 
@@ -159,32 +157,6 @@ class LocalSGDOptimizer(WrappedOptimizer):
         self._ddp = ddp.attach(model, self, self.warmup_steps, process_group) if self._world > 1 else None
         provenance.register(self)  # exit warnings, DCP in-place loads, framework-wrapped inner optimizers
 
-    # ------------------------------------------------------------ read-outs
-    @property
-    def consensus(self) -> Consensus:
-        """The blocking sync's consensus collective (its flat ``params`` and ``buffers`` groups)."""
-        return self._consensus
-
-    @property
-    def stream(self) -> Optional[StreamingSync]:
-        """The streaming sync (``fragments``/``overlap_steps``), or None for blocking syncs."""
-        return self._stream
-
-    @property
-    def wire(self) -> Optional[CompressedWire]:
-        """The compressed param reduce (``wire=`` other than "fp32"), or None."""
-        return self._wire
-
-    @property
-    def flat_params(self) -> List[FlatGroup]:
-        """The flat buffers the trainable params live in (one per device and dtype)."""
-        return self._param_groups_flat
-
-    @property
-    def flat_buffers(self) -> List[FlatGroup]:
-        """The flat buffers the model's float buffers live in."""
-        return self._buffer_groups_flat
-
     # ------------------------------------------------------------ Optimizer surface
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise ConfigError("flodl_opt: the synced tensors are fixed when LocalSGDOptimizer is built; "
@@ -201,30 +173,16 @@ class LocalSGDOptimizer(WrappedOptimizer):
         """clip -> inner step -> scheduler -> count -> sync when due. Returns the closure's loss."""
         # Step hooks run only when some are registered: torch's generic wrapper (a profiler range
         # plus hook checks) would cost ~20 us on every step, more than the rest of this wrapper.
-        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_step_hooks():
+        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or global_step_hooks():
             return self._step_with_hooks(closure)
         return self._step(closure)
 
     step.hooked = True  # type: ignore[attr-defined]  # tells Optimizer._patch_step_function not to wrap it
 
-    def _step_with_hooks(self, closure: Optional[Callable[[], Any]]) -> Any:
-        """``step`` with torch's optimizer step hooks, per instance and global, as Optimizer runs them."""
-        from torch.optim import optimizer as torch_optimizer
-        args, kwargs = (closure,), {}
-        for hook in (*torch_optimizer._global_optimizer_pre_hooks.values(),
-                     *self._optimizer_step_pre_hooks.values()):
-            result = hook(self, args, kwargs)
-            if result is not None:
-                args, kwargs = result
-        loss = self._step(*args, **kwargs)
-        for hook in (*self._optimizer_step_post_hooks.values(),
-                     *torch_optimizer._global_optimizer_post_hooks.values()):
-            hook(self, args, kwargs)
-        return loss
-
     def _step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         if not self._checked_grads:  # once, at the first step
-            self._check_grads()
+            check_grads(self._params)
+            self._checked_grads = True
             self._find_late_ddp()
         # GradScaler found inf/NaN (None unless it called us), or no backward() reached any param:
         # no work, so no vote at the next sync
@@ -238,7 +196,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         if self._cuda_index is not None:
             # Remember the stream the inner step ran on (a tuple, no Stream object: ~0.3 us),
             # so a sync issued from another stream can be ordered after it (see _sync).
-            self._train_stream = _stream_key(self._cuda_index)
+            self._train_stream = stream_key(self._cuda_index)
         self._local_steps += 1           # count
         self._steps_since_sync += 1
         self._skipped_since_sync += bool(skipped)
@@ -268,7 +226,7 @@ class LocalSGDOptimizer(WrappedOptimizer):
         return loss
 
     def _denoised_inner_step(self, closure: Optional[Callable[[], Any]]) -> Any:
-        """clip -> inner step, the step's second-moment noise excess taken out (flodl_opt/moments.py)."""
+        """clip -> inner step, the step's second-moment noise excess taken out (flodl_opt/hooks/moments.py)."""
         assert self._denoise is not None
         loss = None
         if closure is not None:  # the gradients must exist before the step reads them
@@ -289,10 +247,10 @@ class LocalSGDOptimizer(WrappedOptimizer):
         """before-hooks -> consensus (count -> reduce -> readout) -> counters -> after-hooks."""
         for g in self._param_groups_flat + self._buffer_groups_flat:
             g.check_bound()
-        train = self._fence_before_sync()
+        train = fence_before_sync(self._train_stream, self._cuda_index, self._stream_fence)
         try:
             if self._stream is not None:  # merge what is in flight, then every fragment, blocking
-                self._check_model_params()
+                check_model_params(self._param_slots, self.model)
                 self._record(self._stream.sync_all(active=not self._joined,
                                                    warmup=self._local_steps <= self.warmup_steps))
                 assert self.last_sync is not None
@@ -333,27 +291,10 @@ class LocalSGDOptimizer(WrappedOptimizer):
     def _check_before_sync(self) -> None:
         for g in self._param_groups_flat + self._buffer_groups_flat:
             g.check_bound()
-        self._check_model_params()
+        check_model_params(self._param_slots, self.model)
 
     def _waiting(self, sync_number: int):
         return self._stall.waiting(sync_number) if self._stall is not None else contextlib.nullcontext()
-
-    def _fence_before_sync(self) -> Optional["torch.cuda.Stream"]:
-        """Order a sync issued on another CUDA stream after the last inner step's kernels.
-
-        A sync inside ``step()`` runs on the stream of the inner step: stream order is the fence,
-        and NCCL's own stream waits on it at issue. An explicit ``sync()`` (or ``join()``) from a
-        different stream than the one that trained (say, the default stream after a loop under
-        ``torch.cuda.stream(s)``) would otherwise snapshot, scale and reduce params that fused
-        optimizer kernels on ``s`` are still writing. Returns the training stream to re-fence
-        after the sync, or ``None`` when the streams are the same (no cost).
-        """
-        key = self._train_stream
-        if key is None or not self._stream_fence or _stream_key(self._cuda_index) == key:
-            return None
-        train = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-        torch.cuda.current_stream(train.device).wait_stream(train)
-        return train
 
     @contextlib.contextmanager
     def join(self) -> Iterator[None]:
@@ -392,136 +333,12 @@ class LocalSGDOptimizer(WrappedOptimizer):
 
     def _run_consensus(self, steps: int, sync_number: int, active: bool) -> SyncStats:
         """The consensus, under the stall watchdog, with the reliability checks around it."""
-        self._check_model_params()
+        check_model_params(self._param_slots, self.model)
         with self._waiting(sync_number):
             stats = self._consensus.run(steps, sync_number, active=active)
         if stats.nonfinite:
-            self._reset_nonfinite_inner_state(sync_number)
+            reset_nonfinite_state(self.optimizer, self._rank, sync_number)
         return stats
-
-    def _check_model_params(self) -> None:
-        """A param replaced on the model after wrapping would be neither stepped nor synced."""
-        for mod, attr, p in self._param_slots:
-            if mod._parameters.get(attr) is not p:
-                name = next((n for n, m in unwrap_model(self.model).named_modules() if m is mod), "?")
-                name = f"{name}.{attr}" if name else attr
-                raise ConfigError(
-                    f"flodl_opt: model param {name!r} was replaced after LocalSGDOptimizer was built "
-                    "(a new nn.Parameter assigned to the module), so it is neither stepped nor synced. "
-                    "Change weights in place (model.load_state_dict, param.data.copy_), or build the "
-                    "inner optimizer and LocalSGDOptimizer after replacing it.")
-
-    def _reset_nonfinite_inner_state(self, sync_number: int) -> None:
-        """A rank that adopted the consensus after NaN/Inf drops inner state that would re-poison it."""
-        bad = [p for p, st in self.optimizer.state.items()
-               if any(torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())
-                      for v in st.values())]
-        for p in bad:
-            del self.optimizer.state[p]
-        if bad:
-            warnings.warn(f"flodl_opt: rank {self._rank} reset the inner optimizer state of {len(bad)} "
-                          f"param(s) holding NaN/Inf at sync #{sync_number}", NonFiniteWarning,
-                          stacklevel=4)
-
-    # ------------------------------------------------------------ checkpoints
-    def config(self) -> Dict[str, Any]:
-        """The options as checkpoints record them, and the synced tensors' layout."""
-        cfg = config_record(self.options, self._param_groups_flat + self._buffer_groups_flat)
-        if self._adaptive is None:
-            cfg["sync_every"] = self.sync_every
-        return cfg
-
-    def _agreed(self, cfg: Dict[str, Any], strict: bool = True) -> Dict[str, Any]:
-        """What must agree across ranks and with a checkpoint (SyncConfig's Agree marks), from ``cfg``."""
-        return {k: (cfg[k] if old is _MISSING else cfg.get(k, old))
-                for k, old in SyncConfig.agreed(strict).items()}
-
-    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
-        """The inner optimizer's state dict plus everything flodl_opt needs, under ``"flodl_opt"``."""
-        if self._stream is not None:
-            self._stream.drain()  # a fragment in flight is saved reduced; it merges on schedule
-        sd = self.optimizer.state_dict()
-        sd[STATE_KEY] = {
-            "version": STATE_VERSION,
-            "config": self.config(),
-            "counters": {"local_steps": self._local_steps, "steps_since_sync": self._steps_since_sync,
-                         "sync_count": self._sync_count, "global_steps": self._global_steps,
-                         "skipped_since_sync": self._skipped_since_sync},
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-        }
-        for h in self._hooks:
-            state = h.state_dict()
-            if h.key is not None and state is not None:
-                sd[STATE_KEY][h.key] = state
-        provenance.stamp(self, sd)  # which rank saved it, when (flodl_opt/provenance.py)
-        return sd
-
-    def check_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:
-        """Raise ``ConfigError`` if ``load_state_dict(state_dict, strict)`` would refuse it; writes nothing.
-
-        Lets a caller (``load_checkpoint``) validate the optimizer's part before it touches the model."""
-        ours = state_dict.get(STATE_KEY) if isinstance(state_dict, dict) else None
-        if ours is None:
-            raise ConfigError("flodl_opt: this state dict has no 'flodl_opt' entry: it was not saved by "
-                              "LocalSGDOptimizer.state_dict() (torch.distributed.checkpoint's "
-                              "get_state_dict/set_state_dict drop it: use flo.DCPState(model, opt)). "
-                              "Load a plain optimizer checkpoint with opt.optimizer.load_state_dict(sd).")
-        saved, now = ours["config"], self.config()
-        if saved["flat"] != now["flat"]:
-            raise ConfigError("flodl_opt: the checkpoint was saved for a different model (the synced "
-                              "tensors' shapes or dtypes differ); build the same model before loading")
-        was, want = self._agreed(saved, strict), self._agreed(now, strict)
-        diff = {k: (was[k], want[k]) for k in want if was[k] != want[k]}
-        if diff:
-            raise ConfigError(f"flodl_opt: the checkpoint's config differs from this optimizer's "
-                              f"(saved, now): {diff}; build it with the saved values, or pass "
-                              "strict=False to resume with the new sync_every/gamma/warmup_steps")
-        groups = state_dict.get("param_groups", [])
-        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.optimizer.param_groups]:
-            raise ConfigError("flodl_opt: the checkpoint's inner optimizer has other param groups than "
-                              "this one (their number or sizes differ); build the same optimizer")
-        for h in self._hooks:
-            if h.key is not None:
-                h.check_state(ours.get(h.key))
-
-    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
-        """Restore an exact resume point. ``strict=False`` allows a changed sync_every/gamma/warmup.
-
-        Everything is checked first (``check_state_dict``): a refused state dict changes nothing."""
-        state_dict = provenance.on_load(self, state_dict, strict)  # another rank's? (provenance.py)
-        self.check_state_dict(state_dict, strict)
-        sd = dict(state_dict)
-        ours = sd.pop(STATE_KEY)
-        self.optimizer.load_state_dict(sd)
-        c = ours["counters"]
-        self._local_steps, self._steps_since_sync = c["local_steps"], c["steps_since_sync"]
-        self._sync_count, self._global_steps = c["sync_count"], c["global_steps"]
-        self._skipped_since_sync = c.get("skipped_since_sync", 0)
-        if self.lr_scheduler is not None and ours["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(ours["lr_scheduler"])
-        for h in self._hooks:
-            if h.key is not None:
-                h.load_state_dict(ours.get(h.key))
-        if self._adaptive is not None:
-            self.sync_every = self._adaptive.every
-
-    # ------------------------------------------------------------ counters
-    @property
-    def local_steps(self) -> int:
-        return self._local_steps
-
-    @property
-    def steps_since_sync(self) -> int:
-        return self._steps_since_sync
-
-    @property
-    def sync_count(self) -> int:
-        return self._sync_count
-
-    @property
-    def global_steps(self) -> int:
-        """Optimizer steps taken by all ranks together, as of the last sync."""
-        return self._global_steps
 
     # ------------------------------------------------------------ set-up checks
     def _find_late_ddp(self) -> None:
@@ -533,19 +350,4 @@ class LocalSGDOptimizer(WrappedOptimizer):
         if found is not None:
             self._ddp = ddp.attach(found, self, self.warmup_steps, self._consensus.group)
 
-    def _check_grads(self) -> None:
-        for p in self._params:
-            if p.grad is not None and p.grad.is_sparse:
-                raise ConfigError("flodl_opt: sparse gradients are not supported (an nn.Embedding with "
-                                  "sparse=True?); use sparse=False")
-        self._checked_grads = True
 
-
-def _global_step_hooks() -> bool:
-    from torch.optim import optimizer as torch_optimizer
-    return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
-
-
-def _stream_key(index: int) -> tuple:
-    """(stream id, device index, device type) of the current CUDA stream of one device."""
-    return tuple(torch._C._cuda_getCurrentStream(index))

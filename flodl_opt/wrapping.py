@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .errors import ConfigError
+
+
+def global_step_hooks() -> bool:
+    """Whether any global optimizer step hook is registered (``register_optimizer_step_*_hook``)."""
+    from torch.optim import optimizer as torch_optimizer
+    return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -32,6 +38,22 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
+
+    def _step_with_hooks(self, closure: Optional[Callable[[], Any]]) -> Any:
+        """``self._step`` with torch's optimizer step hooks, per instance and global, as Optimizer
+        runs them: for a ``step`` that skips torch's generic wrapper (``step.hooked = True``)."""
+        from torch.optim import optimizer as torch_optimizer
+        args, kwargs = (closure,), {}
+        for hook in (*torch_optimizer._global_optimizer_pre_hooks.values(),
+                     *self._optimizer_step_pre_hooks.values()):
+            result = hook(self, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        loss = self._step(*args, **kwargs)  # type: ignore[attr-defined]
+        for hook in (*self._optimizer_step_post_hooks.values(),
+                     *torch_optimizer._global_optimizer_post_hooks.values()):
+            hook(self, args, kwargs)
+        return loss
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]

@@ -1,4 +1,4 @@
-"""sync_every="auto" (flodl_opt/adaptive.py) on real Gloo ranks.
+"""sync_every="auto" (flodl_opt/hooks/adaptive.py) on real Gloo ranks.
 
 The ranks get deliberately different data, so their local divergence readouts differ; the period
 each rank picks must still be the same, and equal to the rule computed here in float64 from every
@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flodl_opt as flo
-from flodl_opt.adaptive import AdaptiveSync, CohortDrift
+from flodl_opt.hooks.adaptive import AdaptiveSync, CohortDrift
 from dist_harness import gather_object, run_ranks
 
 

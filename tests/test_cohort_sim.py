@@ -120,7 +120,7 @@ def test_drift_noise_reads_each_ranks_gradient_noise_from_its_own_deviation_in_f
     gives back the noise variance s^2 (unbiased, per coordinate), and -pvcm's beta is the least-squares
     slope of the last first-moment deviation on S."""
     import torch
-    from flodl_opt import moments as flo_moments
+    from flodl_opt.hooks import moments as flo_moments
     sim = _load_sim()
     g = torch.Generator().manual_seed(0)
     M, N, K, b1, lr, bc1 = 4, 20000, 16, 0.9, 1e-3, 0.95

@@ -2,7 +2,7 @@
 taken out at every step, on real Gloo ranks.
 
 Every step is checked against Adam's update written here in float64 (AdamW, Adam with L2 weight
-decay, ``maximize``, clipping), with the correction of flodl_opt/moments.py applied to the second
+decay, ``maximize``, clipping), with the correction of flodl_opt/hooks/moments.py applied to the second
 moment after the update. Also: the clamp (``v`` never below ``b2 v``), identical ranks after a sync,
 exact resume, every sync mode (fragments and overlap, a compressed wire, DiLoCo), ranks that disagree
 get a clear error, clear refusals, and the default bit-identical to the commit before the option.

@@ -1,7 +1,7 @@
 """``denoise_moments="sync"``: at every sync each rank reads its small-batch gradient noise from its own
 drift ``W_i - C`` and takes the window's excess out of its own Adam/AdamW second moment; real Gloo ranks.
 
-The syncs are checked against the formula of flodl_opt/moments.py written here in float64 from the
+The syncs are checked against the formula of flodl_opt/hooks/moments.py written here in float64 from the
 ranks' own Adam steps (AdamW with weight decay, an lr scheduler, two syncs so the EMA carries over).
 Also: identical params after a sync with each rank's own moments, exact resume from the middle of a
 window, a NaN rank, uneven data under ``join()``, a peer killed in the consensus (nothing written),

@@ -29,8 +29,8 @@ from torch import nn
 
 import flodl_opt as flo
 from dist_harness import free_port, gather_object, run_ranks
-from flodl_opt.consensus import Consensus
-from flodl_opt.flat import pack
+from flodl_opt.sync.consensus import Consensus
+from flodl_opt.sync.flat import pack
 
 pytestmark = pytest.mark.gpu
 
@@ -108,7 +108,7 @@ def test_nccl_premul_sum_matches_float64(nccl_one, factor):
             bad.append(f"{t.dtype} {tuple(t.shape)}: zeros in the result (bf16 PREMUL_SUM bug?)")
     assert not bad, "\n".join(bad)
     # The factor is a device tensor of the reduce dtype (float32 for bf16/fp16): no host sync.
-    assert {(f.device.type, f.dtype) for f in cons._factors.values()} == \
+    assert {(f.device.type, f.dtype) for f in cons.transport._factors.values()} == \
         {("cuda", torch.float32), ("cuda", torch.float64)}
     for g in groups:
         if not g.wide:
@@ -252,7 +252,8 @@ OUTER_LR, OUTER_MU = 0.7, 0.5
 
 def _break_nccl_wait(monkeypatch):
     """Negative control: the reduce returns without making the current stream wait for NCCL."""
-    import flodl_opt.consensus as consensus_mod
+    import flodl_opt.sync.consensus as consensus_mod
+    import flodl_opt.transport.float32 as float32_mod
     real, pending = consensus_mod.dist, []
 
     class _NoWait:
@@ -262,7 +263,8 @@ def _break_nccl_wait(monkeypatch):
         def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
             pending.append(real.all_reduce(tensor, op=op, group=group, async_op=True))
 
-    monkeypatch.setattr(consensus_mod, "dist", _NoWait())
+    for mod in (consensus_mod, float32_mod):  # the count and the reduce
+        monkeypatch.setattr(mod, "dist", _NoWait())
     return pending
 
 

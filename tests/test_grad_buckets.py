@@ -94,7 +94,7 @@ def _train(rank, world, steps, rows, passes=1, momentum=0.9, skips=None, **kw):
             opt.step()
         counts.append((c.calls, c.in_backward))
     spare = model.spare.weight.grad
-    n_buckets = sum(len(b.buckets) for b in opt._buffers)
+    n_buckets = sum(len(b.buckets) for b in opt._average.buffers)
     return _flat(model).numpy(), counts, n_buckets, None if spare is None else spare.numpy()
 
 
@@ -185,8 +185,8 @@ def _fp16_and_discard(rank, world):
     out["local"] = [None if p.grad is None else p.grad.clone().numpy() for p in model.parameters()]
     opt.synchronize()
     out["synced"] = [p.grad.clone().numpy() for p in model.parameters()]
-    out["wire"] = sorted({str(b.wire.dtype) for b in opt._buffers})
-    out["buckets"] = sum(len(b.buckets) for b in opt._buffers)
+    out["wire"] = sorted({str(b.wire.dtype) for b in opt._average.buffers})
+    out["buckets"] = sum(len(b.buckets) for b in opt._average.buffers)
     with opt.skip_synchronize():
         opt.step()
     # gradients thrown away mid-round (buckets in flight), then a normal step

@@ -201,7 +201,7 @@ def rank_mixed_clip_compress(rank, world):
     out["local16"] = [p.grad.clone() for p in model16.parameters()]
     opt16.synchronize()
     out["synced16"] = [p.grad.clone() for p in model16.parameters()]
-    out["wire16"] = [b.wire.dtype for b in opt16._buffers]
+    out["wire16"] = [b.wire.dtype for b in opt16._average.buffers]
     return out
 
 

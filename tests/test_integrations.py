@@ -88,7 +88,7 @@ def test_state_dict_copies_only_shared_entries_and_keep_vars_stays_live():
     sub = model[0].state_dict()
     assert sub["weight"].untyped_storage().data_ptr() != model[0].weight.untyped_storage().data_ptr()
     # Inside state_dict_views() (what save_checkpoint uses, as it copies anyway): the views.
-    from flodl_opt.flat import state_dict_views
+    from flodl_opt.sync.flat import state_dict_views
     with state_dict_views():
         views = model.state_dict()
     assert views["0.weight"].untyped_storage().data_ptr() == model[0].weight.untyped_storage().data_ptr()

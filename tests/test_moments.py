@@ -1,6 +1,6 @@
 """``sync_moments=True``: the inner AdamW moments shared at the sync, on real Gloo ranks.
 
-The shared moments are checked against the formula of flodl_opt/moments.py written here in float64
+The shared moments are checked against the formula of flodl_opt/hooks/moments.py written here in float64
 from every rank's moments gathered test-side (unequal work, so the weights matter), and, after one
 step from shared moments, against the moments of the averaged gradient (AdamW's own update rule
 applied here to the gathered gradients). Also: identical on every rank, exact resume, a peer killed
@@ -184,7 +184,7 @@ def shared(tmp_path_factory):
 
 # ------------------------------------------------------------------ the float64 references
 def _formula(pre):
-    """flodl_opt/moments.py's shared (m, v), in float64, from [((m_i, v_i), n_i)] of every rank."""
+    """flodl_opt/hooks/moments.py's shared (m, v), in float64, from [((m_i, v_i), n_i)] of every rank."""
     n = np.array([s for _, s in pre], dtype=np.float64)
     w = n / n.sum()
     m = np.stack([mv[0] for mv, _ in pre])

@@ -4,7 +4,7 @@ Each case puts every rank at known weights ``W_i = A + D_i`` (``A`` the common a
 spanning eight orders of magnitude plus a block far beyond float16's range), with a known step
 count, gathers them test-side, syncs, and checks the consensus against ``sum_i f_i W_i`` computed
 here in float64, element by element, within the error bound each format states
-(flodl_opt/wire.py): ``sum_i err(x_i) + err(S)``, the rank's encode plus the owner's re-encode.
+(flodl_opt/transport/wire.py): ``sum_i err(x_i) + err(S)``, the rank's encode plus the owner's re-encode.
 """
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ def test_error_feedback_residual_carried_and_resumed_exactly(mode, world):
 
 # ------------------------------------------------------------------ a failed collective
 def rank_failure(rank, world, mode):
-    from flodl_opt import wire as wire_mod
+    from flodl_opt.transport import wire as wire_mod
     model = _model()
     opt = flo.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), model=model,
                                 sync_every=10 ** 9, wire=mode, error_feedback=True, stall_warning_s=None)

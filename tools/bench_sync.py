@@ -378,7 +378,7 @@ def report(rows, cfg, world, backend) -> None:
 
 
 def main(argv=None) -> None:
-    from flodl_opt.consensus import DEFAULT_GLOO_CHUNK_BYTES
+    from flodl_opt.transport.float32 import DEFAULT_GLOO_CHUNK_BYTES
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, default=2, help="Gloo ranks to spawn (ignored under a launcher)")
     p.add_argument("--sizes", default="1M,10M,50M", help="comma-separated param counts (K/M/G suffix)")

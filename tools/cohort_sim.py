@@ -12,7 +12,7 @@ at once. What it reproduces of a real run, exactly as the demo and the library d
   gradient clipping at 1.0 per rank (after averaging, for gradient all-reduce);
 * the sync schedule of ``LocalSGDOptimizer`` (``warmup_steps`` syncs after every step, then every
   K) and its outer step: the consensus is the mean of the group's replicas, and the library's own
-  ``OuterOptimizer`` objects (``flodl_opt.outer``) step it, with the inner lr the wrapper would pass;
+  ``OuterOptimizer`` objects (``flodl_opt.hooks.outer``) step it, with the inner lr the wrapper would pass;
 * bytes handed to collectives: the flat (256-byte aligned) float32 params and the 7-double count per
   sync, or all gradients per step for gradient all-reduce.
 
@@ -43,12 +43,12 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import flodl_opt as flo  # noqa: E402
-from flodl_opt.adaptive import DRIFT_BYTES, CohortDrift  # noqa: E402
-from flodl_opt.flat import aligned_offsets  # noqa: E402
-from flodl_opt.moments import ar_sum_var, denoised_moments, drift_reading, take_out_excess  # noqa: E402
+from flodl_opt.hooks.adaptive import DRIFT_BYTES, CohortDrift  # noqa: E402
+from flodl_opt.sync.flat import aligned_offsets  # noqa: E402
+from flodl_opt.hooks.moments import ar_sum_var, denoised_moments, drift_reading, take_out_excess  # noqa: E402
 import train_charlm as demo  # noqa: E402
 
-COUNT_BYTES = 7 * 8  # the sync's count tensor (float64[7]) in flodl_opt.consensus
+COUNT_BYTES = 7 * 8  # the sync's count tensor (float64[7]) in flodl_opt.sync.consensus
 
 
 # ----------------------------------------------------------------------------- methods
@@ -62,7 +62,7 @@ def drift_noise(d: torch.Tensor, denom: torch.Tensor, lr: float, bc1: float, k: 
                 b1: float = 0.9) -> Tuple[torch.Tensor, torch.Tensor]:
     """``-pvc``: ``(s^2 reading, S)`` of each rank from its own deviation ``d = W_i - C`` at a sync after
     ``k`` local steps, nothing sent: the library's ``denoise_moments="sync"`` reading
-    (flodl_opt/moments.py has the formula and why), and ``S``, the window's first-moment deviations
+    (flodl_opt/hooks/moments.py has the formula and why), and ``S``, the window's first-moment deviations
     from the cohort's in raw ``m`` units, for ``-pvcm``."""
     return drift_reading(d, denom, lr, bc1, k, ranks, b1), d * (-bc1 / lr) * denom
 
@@ -86,7 +86,7 @@ def method_spec(name: str) -> Dict:
     included; ``-clip{C}`` clips each rank's gradient (all-reduce: the mean) at norm C, ``-clip0``
     not at all (default 1.0, the demo's); ``-avgm`` also averages the inner AdamW first moments at every sync, ``-avgmv`` both moments,
     ``-avgmvc`` both, the second with each rank's small-batch noise excess taken out: the library's
-    ``sync_moments=True`` (flodl_opt/moments.py has the formula and why; equal weights here);
+    ``sync_moments=True`` (flodl_opt/hooks/moments.py has the formula and why; equal weights here);
     ``-lvc`` takes the small-batch noise excess out of each rank's own second moment at every step,
     with no communication (each rank's noise from its own ``(g - m)^2``); ``-svc`` takes the same
     excess out only at the sync, all of the window's at once, from an EMA of each rank's own
@@ -186,7 +186,7 @@ def shared_moments(m: torch.Tensor, v: torch.Tensor, window: int, b1: float = 0.
                            b2: float = 0.99, bf16: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """``-avgmvc``'s shared AdamW moments ``(m, v)`` from the ranks' moments ``[M, N]`` after a window of
     ``window`` steps that began from shared moments: the library's ``sync_moments=True`` formula
-    (flodl_opt/moments.py) with equal weights; ``bf16``: through the bf16 moment wire."""
+    (flodl_opt/hooks/moments.py) with equal weights; ``bf16``: through the bf16 moment wire."""
     M = m.shape[0]
     mean = _bf16_mean if bf16 else (lambda x: x.mean(0))
     return denoised_moments(mean(m), mean(m * m), mean(v), 1.0 / M, window, b1, b2)

@@ -17,10 +17,12 @@ A Horovod script runs with renames only (``import flodl_opt as hvd``)::
 
 ``DistributedOptimizer`` averages gradients before every inner step, bucket by bucket while
 backward still runs (a persistent flat buffer per gradient dtype, each ``p.grad`` a view of it;
-``flodl_opt/grad_buckets.py``), not one collective per parameter. Swapping it for
+``flodl_opt/transport/grad_buckets.py``), not one collective per parameter. Swapping it for
 ``LocalSGDOptimizer`` is the one-argument change to local SGD.
 
 Layout: this module is the API (``DistributedOptimizer``, the broadcasts, the object collectives);
+``flodl_opt/horovod/averaging.py`` the gradient average behind ``DistributedOptimizer`` (its buffers,
+the contributor count, the argument checks);
 ``flodl_opt/horovod/ops.py`` holds the raw collectives (``allreduce``, ``allgather``, ``broadcast``,
 their ``_async`` forms, ``join``, ``barrier``), re-exported here; ``flodl_opt/horovod/common.py`` what
 both use (reduction ops, compression, the signature round).
@@ -54,13 +56,14 @@ import torch
 import torch.distributed as dist
 
 from .. import launch
-from ..wrapping import WrappedOptimizer, check_same_on_every_rank
+from ..wrapping import WrappedOptimizer
 from ..errors import ConfigError
-from ..flat import unique
-from ..grad_buckets import DEFAULT_BUCKET_BYTES, BucketReducer, GradBuffer
+from ..sync.flat import unique
+from ..transport.grad_buckets import DEFAULT_BUCKET_BYTES
+from .averaging import GradientAverage, check_options, check_passes_per_step, param_names
 from .common import (_ALLGATHER_OBJECT, _BROADCAST_OBJECT, _BROADCAST_OPTIMIZER_STATE, _BROADCAST_PARAMETERS,
-                     _DISTRIBUTED_OPTIMIZER, Adasum, Average, Compression, Compressor, Max, Min, Product,
-                     ReduceOp, Sum, _agree, _comm_device, _global_rank, _group_size, _op, check_call)
+                     Adasum, Average, Compression, Compressor, Max, Min, Product, ReduceOp, Sum, _agree,
+                     _comm_device, _global_rank, _group_size, check_call)
 from .ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_,
                   barrier, broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
                   grouped_allgather_async, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
@@ -350,11 +353,6 @@ def _zero_missing_grads(inner: torch.optim.Optimizer, model) -> None:
 
 
 # ---------------------------------------------------------------- DistributedOptimizer
-def _exact_int_limit(dtype: torch.dtype) -> int:
-    """Largest integer count a reduction in ``dtype`` still carries exactly."""
-    return {torch.float16: 2048, torch.bfloat16: 256}.get(dtype, 1 << 24)
-
-
 class DistributedOptimizer(WrappedOptimizer):
     """Synchronous data parallelism with Horovod's semantics, around any torch optimizer.
 
@@ -363,7 +361,7 @@ class DistributedOptimizer(WrappedOptimizer):
     gradient dtype, cut into buckets of about ``bucket_bytes``; as in Horovod and DDP, a bucket's
     collective starts during backward as soon as its last gradient is accumulated, so communication
     overlaps the rest of backward, and ``step()``/``synchronize()`` wait for what is in flight
-    (``flodl_opt/grad_buckets.py``). Gradients accumulate locally over ``backward_passes_per_step``
+    (``flodl_opt/transport/grad_buckets.py``). Gradients accumulate locally over ``backward_passes_per_step``
     backward passes between steps (only the last pass starts collectives; scale the loss yourself,
     as in Horovod: the accumulated sum is what gets averaged). A parameter that got no gradient on
     a rank (unused, or a layer that rank's graph skipped) contributes zeros there; its bucket is
@@ -408,41 +406,17 @@ class DistributedOptimizer(WrappedOptimizer):
                  num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
                  process_group: Optional[dist.ProcessGroup] = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True, sparse: Any = False):
-        if sparse:
-            raise ConfigError("DistributedOptimizer(sparse=True) (Horovod's allgather of sparse gradients) is "
-                              "not supported: pass sparse_as_dense=True to average them densely (SparseAdam "
-                              "then gets the averages back as sparse gradients)")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"DistributedOptimizer wraps a built torch.optim.Optimizer, got "
-                              f"{type(optimizer).__name__}")
         from ..optimizer import LocalSGDOptimizer
-        if isinstance(optimizer, (DistributedOptimizer, LocalSGDOptimizer)):
-            raise ConfigError("the optimizer is already wrapped by flodl_opt; wrap the inner optimizer once")
-        op = _op(op)
-        if op not in (Average, Sum):
-            raise ConfigError(f"DistributedOptimizer averages or sums gradients: op must be "
-                              f"flodl_opt.Average or flodl_opt.Sum, got {op!r}")
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-                or backward_passes_per_step < 1:
-            raise ConfigError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
-        if compression is None:
-            compression = Compression.none
-        if not isinstance(compression, Compressor):
-            raise ConfigError(f"compression must be flodl_opt.Compression.none or .fp16, got {compression!r}")
-        if not gradient_predivide_factor > 0:
-            raise ConfigError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor!r}")
-        if gradient_predivide_factor != 1.0 and op is not Average:
-            raise ConfigError("gradient_predivide_factor only applies to op=flodl_opt.Average")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ConfigError(f"bucket_bytes must be an int >= 1 (bytes of gradients per collective, "
-                              f"e.g. 25 * 2**20), got {bucket_bytes!r}")
+        op, compression = check_options(optimizer, (DistributedOptimizer, LocalSGDOptimizer), compression,
+                                        backward_passes_per_step, op, gradient_predivide_factor, bucket_bytes,
+                                        sparse)
         params = [p for p in unique(p for g in optimizer.param_groups for p in g["params"]) if p.requires_grad]
         names_error = None
         try:
-            names = _param_names(params, named_parameters)
+            names = param_names(params, named_parameters)
         except ConfigError as e:
             # Before init (no group to tell) or alone: here, as Horovod does. Else every rank
-            # raises in the signature round below, instead of the peers waiting for this one.
+            # raises in the signature round (GradientAverage.start), instead of the peers waiting.
             if not launch.is_initialized() or _group_size(process_group) == 1:
                 raise
             names, names_error = [f"param #{i}" for i in range(len(params))], str(e)
@@ -453,7 +427,6 @@ class DistributedOptimizer(WrappedOptimizer):
 
         self.op, self.compression = op, compression
         self._passes_per_step = backward_passes_per_step
-        self._too_many_here = 0
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.sparse_as_dense = sparse_as_dense
         self.process_group = process_group
@@ -463,25 +436,10 @@ class DistributedOptimizer(WrappedOptimizer):
         self._should_synchronize = True
         self._synchronized = False
         self._joined = False
-        self._pending: Optional[Tuple[torch.Tensor, Any]] = None
-        self._count_host: Optional[torch.Tensor] = None
-        self._count_event: Any = None
-        self._buffers: List[GradBuffer] = []
-        self._reducer: Optional[BucketReducer] = None
+        self._average = GradientAverage(params, names, op, compression, self.gradient_predivide_factor,
+                                        sparse_as_dense, bucket_bytes, self.overlap, self._size, process_group)
         if self._size > 1:
-            slots, error = None, names_error
-            if error is None:
-                try:
-                    slots = self._build_buffers()
-                except ConfigError as e:
-                    error = str(e)
-            # A signature round first, as every collective of this package: a peer in another
-            # collective makes both raise here instead of aborting inside Gloo.
-            check_call(_DISTRIBUTED_OPTIMIZER, process_group, error=error)
-            self._check_same_everywhere()
-            self._reducer = BucketReducer(self._buffers, self._params, slots, process_group,
-                                          backward_passes_per_step,
-                                          1.0 / self.gradient_predivide_factor, self.overlap)
+            self._average.start(backward_passes_per_step, names_error)
 
     # ------------------------------------------------------------ Optimizer surface
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -495,7 +453,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        r = self._reducer
+        r = self._average.reducer
         if r is not None and r.open:
             # Gradients discarded before a step: collectives may be in flight (the peers started
             # the same buckets); finish the round so they pair up and stop touching the buffer.
@@ -511,11 +469,10 @@ class DistributedOptimizer(WrappedOptimizer):
         self.set_backward_passes_per_step(passes)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ConfigError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
+        check_passes_per_step(passes)
         self._passes_per_step = passes
-        if self._reducer is not None:
-            self._reducer.passes_per_step = passes
+        if self._average.reducer is not None:
+            self._average.reducer.passes_per_step = passes
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.optimizer).__name__}, op={self.op!r}, "
@@ -528,10 +485,11 @@ class DistributedOptimizer(WrappedOptimizer):
         if self._synchronized:
             return
         if self._size > 1:
-            too_many = self._reducer.too_many()
-            self._too_many_here = max(self._reducer.passes, default=0)
-            count = self._reduce(contribute=True, too_many=too_many)
-            self._check_passes(count, too_many)
+            avg = self._average
+            too_many = avg.reducer.too_many()
+            avg.too_many_here = max(avg.reducer.passes, default=0)
+            count = avg.reduce(contribute=True, too_many=too_many)
+            avg.check_passes(count, too_many)
             self._sparse_for_inner()
         self._synchronized = True
 
@@ -559,7 +517,7 @@ class DistributedOptimizer(WrappedOptimizer):
                               "Horovod reduces them twice here; wrap the step in "
                               "`with optimizer.skip_synchronize():`", stacklevel=2)
             self.synchronize()
-        elif not self._synchronized and self._reducer is not None and self._reducer.open:
+        elif not self._synchronized and self._average.reducer is not None and self._average.reducer.open:
             # step() in skip_synchronize() without synchronize(): collectives are already in
             # flight (started during backward) and every rank started the same ones.
             warnings.warn("DistributedOptimizer: step() inside skip_synchronize() without calling "
@@ -587,11 +545,11 @@ class DistributedOptimizer(WrappedOptimizer):
         self._joined = True
         try:
             while True:
-                for b in self._buffers:
+                for b in self._average.buffers:
                     b.clear()
-                count = self._reduce(contribute=False, too_many=False)
+                count = self._average.reduce(contribute=False, too_many=False)
                 n = int(count.item())
-                self._raise_if_negative(n, False)
+                self._average.raise_if_negative(n, False)
                 if n == 0:
                     break
                 rounds += 1
@@ -621,127 +579,6 @@ class DistributedOptimizer(WrappedOptimizer):
         for p in self._params:
             if p.grad is not None and not p.grad.is_sparse:
                 p.grad = p.grad.to_sparse(min(1, p.grad.dim()))
-
-    def _build_buffers(self) -> list:
-        """One GradBuffer per (device, dtype), laid out in reverse parameter order (backward's)."""
-        by_key: "OrderedDict[Tuple[torch.device, torch.dtype], List[int]]" = OrderedDict()
-        for i, p in enumerate(self._params):
-            if not p.is_floating_point():
-                raise ConfigError(f"DistributedOptimizer: {self._names[i]} is {p.dtype}; only floating "
-                                  "point params get gradients")
-            by_key.setdefault((p.device, p.dtype), []).append(i)
-        wire_of = {}
-        for (_, dtype) in by_key:
-            w = self.compression.wire_dtype
-            wire_of[dtype] = w if (w is not None and dtype in (torch.float32, torch.float64)) else dtype
-        # The contributor count rides in the first buffer that carries the world size exactly.
-        keys = list(by_key)
-        exact = [k for k in keys if _exact_int_limit(wire_of[k[1]]) >= 2 * self._size + 1]
-        count_key = exact[0] if exact else keys[0]
-        slots: list = [None] * len(self._params)
-        for key, idx in by_key.items():
-            wire = wire_of[key[1]]
-            if key == count_key and not exact:
-                wire = torch.float32  # a narrow-only model on a huge world: count needs float32
-            idx = idx[::-1]
-            buf = GradBuffer([self._params[i] for i in idx], [self._names[i] for i in idx],
-                             key == count_key, wire, self.bucket_bytes)
-            self._buffers.append(buf)
-            for j, i in enumerate(idx):
-                slots[i] = (buf, j)
-        self._count_buffer = next(b for b in self._buffers if b.count_slot)
-        return slots
-
-    def _reduce(self, contribute: bool, too_many: bool) -> torch.Tensor:
-        """Finish the round's SUMs, then scale; returns the contributor count (a 0-dim tensor)."""
-        # 1 = contributing, 0 = joined, a large negative = too many backward passes (all raise).
-        value = -2.0 * self._size if too_many else (1.0 if contribute else 0.0)
-        cb = self._count_buffer
-        if self.op is not Average:
-            self._reducer.finish(value, self.sparse_as_dense)
-            return cb.wire[-1]
-        f = self.gradient_predivide_factor
-        if cb.device.type == "cpu":
-            # Scale each bucket by f/n as soon as it arrives (hidden behind the later buckets'
-            # collectives); in the rare round where not every rank contributed (join), correct by
-            # n/count once the count is known. The count is read on the host for free on CPU.
-            self._reducer.finish(value, self.sparse_as_dense, scale=f / self._size)
-            count = cb.wire[-1]
-            n = float(count)
-            if n != self._size and n > 0:
-                for b in self._buffers:
-                    b.grads.mul_(torch.tensor(self._size / n, dtype=torch.float64).to(b.dtype))
-            return count
-        # CUDA: the count stays on the device (no host sync); one scale after all the collectives.
-        self._reducer.finish(value, self.sparse_as_dense)
-        count = cb.wire[-1]
-        scale = f / count.double().clamp(min=1.0)
-        for b in self._buffers:
-            b.grads.mul_(scale.to(b.dtype))
-        return count
-
-    def _check_passes(self, count: torch.Tensor, too_many: bool) -> None:
-        """Raise on every rank when any rank accumulated too many backward passes.
-
-        On CPU the count is read at once. On CUDA it is copied to pinned memory without waiting
-        and checked at the next step, so a step never stalls the host on the collective.
-        """
-        if count.is_cuda and not too_many:
-            pending, self._pending = self._pending, None
-            if pending is not None:
-                pending[1].synchronize()
-                self._raise_if_negative(float(pending[0]), False)
-            if self._count_host is None:
-                self._count_host = torch.empty((), dtype=count.dtype, pin_memory=True)
-                self._count_event = torch.cuda.Event()
-            self._count_host.copy_(count, non_blocking=True)  # read back at the next step
-            self._count_event.record()
-            self._pending = (self._count_host, self._count_event)
-            return
-        self._raise_if_negative(float(count), too_many)
-
-    def _raise_if_negative(self, count: float, too_many: bool) -> None:
-        if count >= 0:
-            return
-        here = self._too_many_here
-        raise ConfigError(f"DistributedOptimizer: gradients were accumulated over more backward passes "
-                          f"than backward_passes_per_step={self.backward_passes_per_step} before step()"
-                          f"{f' (this rank: {here})' if too_many else ' on another rank'}; "
-                          "raise backward_passes_per_step or call step() after every backward")
-
-    def _check_same_everywhere(self) -> None:
-        desc = [(str(b.dtype), str(b.wire.dtype), b.count_slot, [tuple(p.shape) for p in b.params],
-                 b.layout()) for b in self._buffers]
-        desc.append((self.op.name, self.compression.name, self.gradient_predivide_factor,
-                     self.bucket_bytes, self.overlap))
-        summary = [(d[0], len(d[3]), sum(_numel(s) for s in d[3])) for d in desc[:-1]] + [desc[-1]]
-        check_same_on_every_rank(desc, summary, self.process_group,
-                                 "DistributedOptimizer: ranks wrap different models or options",
-                                 "(dtype, tensors, elements) per buffer, then op/compression",
-                                 "DistributedOptimizer")
-
-
-def _param_names(params: List[torch.Tensor], named_parameters) -> List[str]:
-    if named_parameters is None:
-        return [f"param #{i} (shape {tuple(p.shape)})" for i, p in enumerate(params)]
-    named = list(named_parameters)
-    names = [n for n, _ in named]
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ConfigError(f"named_parameters has duplicate names: {dups[:8]}")
-    by_id = {id(p): n for n, p in named}
-    unnamed = [tuple(p.shape) for p in params if id(p) not in by_id]
-    if unnamed:
-        raise ConfigError(f"named_parameters was given but {len(unnamed)} optimizer param(s) are not in it "
-                          f"(shapes {unnamed[:4]}); pass the model's named_parameters()")
-    return [by_id[id(p)] for p in params]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # ---------------------------------------------------------------- build introspection

@@ -15,7 +15,7 @@ from typing import Dict, Iterable, Iterator, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # Dtypes reduced as they are; anything narrower is staged to float32 for the reduction
 # (PREMUL_SUM in bf16 returns zeros on some NCCL builds, and fp16 sums lose digits).

@@ -1,7 +1,7 @@
 """Compressed streaming syncs: each fragment's pseudo-gradient travels through a codec, overlapped.
 
 ``LocalSGDOptimizer(..., fragments=P, overlap_steps=tau, wire="int8")`` is Streaming DiLoCo's recipe:
-fragments, overlap and low-precision payloads. Per fragment ``p`` (flodl_opt/streaming.py says when):
+fragments, overlap and low-precision payloads. Per fragment ``p`` (flodl_opt/sync/streaming.py says when):
 
 1. **issue** (at the fragment's step): ``x_i = m_i (S_i - A + e_i)`` with ``S_i`` the send snapshot,
    ``A`` the fragment's anchor (the outer optimizer's, or the last consensus for plain averaging),

@@ -15,6 +15,7 @@ The sequence is the same on every rank, so nobody waits on a collective that a p
    Gloo scales locally then SUMs, chunk by chunk, so the scale of chunk k+1 overlaps the
    reduction of chunk k; the pre-sync copy and the pre-norm ride in the same cache-sized blocks
    as the scale, and the non-finite check reads the consensus instead of making a pass first;
+   (the two transports: flodl_opt/transport/float32.py; the pre-sync copy: presync.py);
 3. ``readout``: divergence of this rank from the consensus, from the pre-sync copy (on Gloo,
    chunk by chunk while the later chunks are still being reduced).
 """
@@ -23,105 +24,17 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import warnings
-from dataclasses import asdict, dataclass
-from typing import Iterator, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, NonFiniteError, NonFiniteWarning, SyncError
+from ..errors import ConfigError, SyncError
+from ..transport.float32 import DEFAULT_GLOO_CHUNK_BYTES, GlooChunks, NcclPremulSum
 from .flat import FlatGroup
-
-# Measured with tools/bench_sync.py on 2 Gloo ranks: smaller chunks overlap more but each Gloo
-# collective pays a fixed cost, and on a CPU-bound host the overlap buys little (BENCHMARKS.md).
-DEFAULT_GLOO_CHUNK_BYTES = 64 << 20
-# Elements per block of the fused local passes on CPU (1 MiB of float32): the copy, norm and scale
-# of one block run while it sits in L2, instead of three trips through main memory.
-_BLOCK = 1 << 18
-
-
-def _norm(t: torch.Tensor) -> torch.Tensor:
-    # float32 accumulation without a float64 copy of the whole buffer; narrow dtypes upcast.
-    if t.dtype in (torch.float32, torch.float64):
-        return torch.linalg.vector_norm(t).double()
-    return torch.linalg.vector_norm(t, dtype=torch.float32).double()
-
-
-def _sq_sum(norms: Sequence[torch.Tensor]) -> float:
-    """Sum of squares of 0-dim norms, in float64 (one host read for the lot)."""
-    if not norms:
-        return 0.0
-    return float(sum(v * v for v in torch.stack(list(norms)).tolist()))
-
-
-def _sq(t: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm of one block, as a 0-dim tensor: BLAS dot for float32/64 (half the time
-    of vector_norm on CPU), float32 accumulation for narrow dtypes."""
-    if t.dtype in (torch.float32, torch.float64):
-        return torch.dot(t, t)
-    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
-
-
-def _total(squares: Sequence[torch.Tensor]) -> float:
-    """Sum of per-block squared norms, in float64 (one host read for the lot)."""
-    if not squares:
-        return 0.0
-    return float(torch.stack([q.double() for q in squares]).sum())
-
-
-def warn_nonfinite(rank: int, sync_number: int) -> None:
-    """The rank that had NaN/Inf says so (every sync mode, the same words)."""
-    warnings.warn(f"flodl_opt: rank {rank}'s params or float buffers were NaN/Inf at sync #{sync_number}: "
-                  "it got no vote and adopted the consensus of the other ranks. Lower the "
-                  "learning rate or set max_grad_norm if this repeats.",
-                  NonFiniteWarning, stacklevel=5)
-
-
-def gamma_mass(n: int, gamma: float) -> float:
-    """Work mass of a rank that did ``n`` steps: an idle rank has no vote for any gamma."""
-    return 0.0 if n <= 0 else float(n) ** gamma
-
-
-@dataclass
-class SyncStats:
-    """Metrics of one sync, as seen by this rank (``opt.last_sync``)."""
-
-    sync: int = 0                  # 1-based number of this sync
-    steps: int = 0                 # this rank's optimizer steps since the previous sync
-    cohort_steps: int = 0          # all ranks' steps since the previous sync
-    weight: float = 0.0            # this rank's share of the param consensus
-    total_mass: float = 0.0        # sum of all ranks' work mass
-    movers: int = 0                # ranks that did at least one step
-    active: int = 0                # ranks not yet joined (uneven data)
-    skipped: bool = False          # whole cohort idle: nothing was reduced
-    nonfinite: bool = False        # this rank's params were NaN/Inf and got no vote
-    nonfinite_ranks: int = 0       # ranks whose params were NaN/Inf at this sync
-    divergence: Optional[float] = None   # ||W_i_pre - W|| / ||W||
-    pre_norm: Optional[float] = None     # ||W_i_pre||
-    post_norm: Optional[float] = None    # ||W||
-    ms: float = 0.0                # wall time of the sync on this rank
-    bytes: int = 0                 # bytes this rank handed to collectives
-    collectives: int = 0           # collectives issued
-    outer: Optional[str] = None    # outer step applied, if any
-    fragment: Optional[int] = None  # streaming syncs: the fragment synced (flodl_opt/streaming.py)
-    next_every: Optional[int] = None     # K: local steps until the next sync (after warm-up)
-    cohort_divergence: Optional[float] = None  # sync_every="auto": RMS divergence of the cohort
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Totals:
-    mass: float
-    movers: float
-    active: float
-    nonfinite: float
-    steps: float
-    sync: float = 0.0       # sum of the ranks' sync numbers
-    sync_sq: float = 0.0    # sum of their squares: all equal iff world * sync_sq == sync ** 2
-
+from .norms import norm, norm_sq, total
+from .presync import PresyncCopy
+from .stats import SyncStats, Totals, all_nonfinite, gamma_mass, set_readout, warn_nonfinite
 
 class Consensus:
     """Runs the count / reduce / readout sequence over fixed flat buffers.
@@ -149,12 +62,12 @@ class Consensus:
         dev = self.params[0].device if self.params else torch.device("cpu")
         self.comm_device = dev if backend == "nccl" else torch.device("cpu")
         self._count = torch.zeros(7, dtype=torch.float64, device=self.comm_device)
-        self._factors = {}  # (device, dtype) -> 1-element device tensor for PREMUL_SUM
-        self._scratch: dict = {}  # id(group) -> pre-sync copy
-        self._valid: dict = {}    # id(group) -> elements of the copy taken at this sync
-        self._scratch_is_delta = False  # holds W_i_pre - C (after the readout) rather than W_i_pre
-        self._tmps: dict = {}     # dtype -> one block of scratch for the chunked readout
-        self.wire = None          # a CompressedWire (flodl_opt/wire.py) replaces the float32 reduce
+        self._presync = PresyncCopy()
+        # How the float32 sum travels (flodl_opt/transport/float32.py): the Gloo pipeline also
+        # fills the pre-sync copy as it goes.
+        self.transport = NcclPremulSum(group) if backend == "nccl" else \
+            GlooChunks(group, gloo_chunk_bytes, self._presync)
+        self.wire = None          # a CompressedWire (flodl_opt/transport/wire.py) replaces the float32 reduce
 
     # ------------------------------------------------------------------ steps
     def shares(self, steps: int, nonfinite: bool) -> "tuple[float, float]":
@@ -162,6 +75,12 @@ class Consensus:
         if nonfinite:
             return 0.0, 0.0
         return gamma_mass(steps, self.gamma), 1.0 if steps > 0 else 0.0
+
+    def weigh(self, stats: SyncStats, totals: Totals, steps: int, nonfinite: bool) -> float:
+        """This rank's param weight into ``stats.weight``; returns its float buffers' factor."""
+        mass, mover = self.shares(steps, nonfinite)
+        stats.weight = mass / totals.mass
+        return mover / totals.movers
 
     def count(self, steps: int, active: bool, nonfinite: bool, sync_number: int = 0) -> Totals:
         """One small SUM of [mass, mover, active, non-finite, steps, sync, sync^2] over the cohort.
@@ -179,29 +98,14 @@ class Consensus:
             dist.all_reduce(c, op=dist.ReduceOp.SUM, group=self.group)
         return Totals(*c.tolist())
 
-    def _scratch_for(self, g: FlatGroup) -> torch.Tensor:
-        s = self._scratch.get(id(g))
-        if s is None:
-            s = self._scratch[id(g)] = torch.empty_like(g.flat)
-        return s
-
     def presync_copy(self) -> None:
-        for g in self.params + self.buffers:
-            self._scratch_for(g).copy_(g.flat)
-            self._valid[id(g)] = g.numel
-        self._scratch_is_delta = False
+        self._presync.take(self.params + self.buffers)
 
     def restore(self) -> bool:
         """Put the pre-sync values back (the part of each buffer copied so far: the rest is untouched)."""
-        if not self.keep_presync or self._scratch_is_delta:
-            return False  # no copy, or the copy is already spent on the readout
-        # Nothing copied yet (a count that failed): nothing was written either, the params are intact.
-        with torch.no_grad():
-            for g in self.params + self.buffers:
-                s, n = self._scratch.get(id(g)), self._valid.get(id(g), 0)
-                if s is not None and n:
-                    g.flat[:n].copy_(s[:n])
-        return True
+        if not self.keep_presync:
+            return False  # no copy
+        return self._presync.restore(self.params + self.buffers)
 
     def reduce(self, groups: Sequence[FlatGroup], factor: float) -> int:
         """Leave ``sum_i factor_i * X_i`` in every group's flat buffer. Returns collectives issued."""
@@ -209,117 +113,23 @@ class Consensus:
             return 0  # a world of one: factor is 1, the buffer already is the consensus
         issued = 0
         for g in groups:
-            if self.backend == "nccl":
-                issued += self._reduce_nccl(g, factor)
-            else:
-                issued += self._reduce_gloo(g, factor)
+            issued += self.transport.reduce(g, factor)
         return issued
-
-    def _reduce_nccl(self, g: FlatGroup, factor: float) -> int:
-        # Only groups of two or more get here (``distributed``): NCCL 2.28's one-rank PREMUL_SUM
-        # leaves a few elements of some buffer sizes unscaled (seen on an H200, GPU_NOTES.md).
-        buf = g.staging()
-        if not g.wide:
-            buf.copy_(g.flat)
-        key = (buf.device, buf.dtype)
-        f = self._factors.get(key)
-        if f is None:
-            f = self._factors[key] = torch.empty((), dtype=buf.dtype, device=buf.device)
-        f.fill_(factor)  # a kernel with the scalar as argument: no host sync
-        if factor == 0.0:
-            buf.zero_()  # 0 * NaN is NaN: a non-finite rank must contribute exact zeros
-        op = dist._make_nccl_premul_sum(f)
-        dist.all_reduce(buf, op=op, group=self.group)
-        if not g.wide:
-            g.flat.copy_(buf)
-        return 1
-
-    def _reduce_gloo(self, g: FlatGroup, factor: float) -> int:
-        """Scale and reduce one buffer chunk by chunk, no readout (the NCCL-style ``reduce`` API)."""
-        works: list = []
-        self._issue_gloo(g, factor, False, None, works, False)
-        self._finish_gloo(works, None, None)
-        return len(works)
-
-    def _tmp(self, dtype: torch.dtype, n: int, device: torch.device) -> torch.Tensor:
-        # On the buffer's device: Gloo also reduces CUDA tensors (ranks sharing one GPU).
-        t = self._tmps.get((dtype, device))
-        if t is None:
-            t = self._tmps[(dtype, device)] = torch.empty(_BLOCK, dtype=dtype, device=device)
-        return t[:n]
-
-    def _issue_gloo(self, g: FlatGroup, factor: float, copy_pre: bool,
-                    pre_norms: Optional[list], works: list, is_param: bool) -> None:
-        """Issue the async SUMs of one buffer, chunk by chunk; returns before they finish.
-
-        Each chunk is prepared in cache-sized blocks (pre-sync copy, pre-norm, scale: one trip
-        through memory instead of three) while Gloo's threads reduce the chunks issued before it.
-        """
-        buf, flat = g.staging(), g.flat
-        s = self._scratch_for(g) if copy_pre else None
-        if copy_pre:
-            self._valid[id(g)] = 0
-        step = max(1, self.gloo_chunk_bytes // buf.element_size())
-        block = min(step, _BLOCK)
-        for start in range(0, g.numel, step):
-            end = min(g.numel, start + step)
-            for b in range(start, end, block):
-                e = min(end, b + block)
-                src, dst = flat[b:e], buf[b:e]
-                if s is not None:
-                    s[b:e].copy_(src)
-                    self._valid[id(g)] = e
-                if pre_norms is not None:
-                    pre_norms.append(_sq(src))
-                if factor == 0.0:
-                    dst.zero_()  # 0 * NaN is NaN: a rank without a vote contributes exact zeros
-                elif g.wide:
-                    if factor != 1.0:
-                        dst.mul_(factor)
-                else:
-                    dst.copy_(src).mul_(factor)
-            works.append((g, start, end, is_param,
-                          dist.all_reduce(buf[start:end], op=dist.ReduceOp.SUM, group=self.group,
-                                          async_op=True)))
-
-    def _finish_gloo(self, works: list, post_norms: Optional[list], diff_norms: Optional[list]) -> None:
-        """Wait for the chunks in order; the readout of chunk k runs while later chunks reduce."""
-        # On a failure the chunks still in flight are not waited for: with a hung peer each
-        # would take the full collective timeout; a dead peer fails them all at once anyway.
-        for g, start, end, is_param, w in works:
-            w.wait()
-            if not g.wide:
-                g.flat[start:end].copy_(g.staging()[start:end])
-            if not is_param or post_norms is None:
-                continue
-            s = self._scratch.get(id(g)) if diff_norms is not None else None
-            for b in range(start, end, _BLOCK):
-                e = min(end, b + _BLOCK)
-                c = g.flat[b:e]
-                post_norms.append(_sq(c))
-                if s is not None:
-                    t = self._tmp(g.reduce_dtype, e - b, g.device)
-                    if g.wide:
-                        torch.sub(s[b:e], c, out=t)  # one op instead of copy + sub
-                    else:
-                        t.copy_(s[b:e]).sub_(c)  # narrow: difference in float32
-                    diff_norms.append(_sq(t))
 
     def _reduce_pipelined(self, stats: SyncStats, totals: "Totals", steps: int, nonfinite: bool,
                           copy_pre: bool, pre_norms: Optional[list], post_norms: list,
                           diff_norms: Optional[list]) -> None:
         """Params (work-weighted) and float buffers (mover-weighted), all chunks in flight at once."""
-        mass, mover = self.shares(steps, nonfinite)
-        stats.weight = mass / totals.mass
+        buffer_factor = self.weigh(stats, totals, steps, nonfinite)
         works: list = []
         with torch.no_grad():
             for g in self.params:
-                self._issue_gloo(g, stats.weight, copy_pre, pre_norms, works, True)
+                self.transport.issue(g, stats.weight, copy_pre, pre_norms, works, True)
             for g in self.buffers:
-                self._issue_gloo(g, mover / totals.movers, copy_pre, None, works, False)
+                self.transport.issue(g, buffer_factor, copy_pre, None, works, False)
             stats.collectives += len(works)
-            self._finish_gloo(works, post_norms, diff_norms)
-        self._scratch_is_delta = False
+            self.transport.finish(works, post_norms, diff_norms)
+        self._presync.is_delta = False
         stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in self.params + self.buffers)
 
     def deltas(self) -> Optional[List[torch.Tensor]]:
@@ -328,47 +138,31 @@ class Consensus:
             return None
         if not self.distributed:  # a world of one: the consensus is the rank's own weights
             for g in self.params:
-                self._scratch_for(g).zero_()
-            self._scratch_is_delta = True
-        if not self._scratch:
+                self._presync.buffer(g).zero_()
+            self._presync.is_delta = True
+        if not self._presync.scratch:
             return None
-        if not self._scratch_is_delta:  # the Gloo path keeps W_i_pre whole until now (restore)
-            with torch.no_grad():
-                for g in self.params:
-                    self._scratch[id(g)].sub_(g.flat)
-            self._scratch_is_delta = True
-        return [self._scratch[id(g)] for g in self.params]
+        return self._presync.deltas(self.params)  # the Gloo path keeps W_i_pre whole until now
 
     def readout(self, stats: SyncStats, pre_sq: Optional[float]) -> None:
         """Divergence of this rank from the consensus: ||W_i_pre - W|| / ||W||."""
-        post = [_norm(g.flat) for g in self.params]
+        post = [norm(g.flat) for g in self.params]
         diff = []
-        if self.keep_presync and self._scratch:
+        if self.keep_presync and self._presync.scratch:
             for g in self.params:
-                s = self._scratch[id(g)]
+                s = self._presync.scratch[id(g)]
                 s.sub_(g.flat)  # the copy is spent after a successful sync: reuse it in place
-                diff.append(_norm(s))
-            self._scratch_is_delta = True
+                diff.append(norm(s))
+            self._presync.is_delta = True
         values = torch.stack(post + diff).tolist() if post else []
         post_sq = sum(v * v for v in values[:len(post)])
         diff_sq = sum(v * v for v in values[len(post):]) if diff else None
-        self._set_readout(stats, pre_sq, post_sq, diff_sq)
-
-    @staticmethod
-    def _set_readout(stats: SyncStats, pre_sq: Optional[float], post_sq: Optional[float],
-                     diff_sq: Optional[float]) -> None:
-        if post_sq is None:
-            return
-        stats.post_norm = math.sqrt(post_sq)
-        if pre_sq is not None:
-            stats.pre_norm = math.sqrt(pre_sq)
-        if diff_sq is not None:
-            stats.divergence = math.sqrt(diff_sq) / stats.post_norm if stats.post_norm > 1e-12 else 0.0
+        set_readout(stats, pre_sq, post_sq, diff_sq)
 
     # ------------------------------------------------------------------ the sync
     def run(self, steps: int, sync_number: int, active: bool = True) -> SyncStats:
         """count -> reduce -> readout. Raises SyncError (params restored) if a collective fails."""
-        if self.wire is not None and self.distributed:  # compressed differences (wire.py)
+        if self.wire is not None and self.distributed:  # compressed differences (flodl_opt/transport/wire.py)
             return self.wire.run(self, steps, sync_number, active)
         if self.backend == "nccl":  # GPUs, a world of one included: the snapshot path, unchanged
             return self._run_nccl(steps, sync_number, active)
@@ -398,7 +192,7 @@ class Consensus:
         if totals.mass > 0.0:
             return totals
         if totals.nonfinite > 0:
-            raise self._all_nonfinite(totals)
+            raise all_nonfinite(totals.nonfinite, self.world_size)
         stats.skipped = True
         stats.ms = (time.perf_counter() - t0) * 1e3
         return None
@@ -408,12 +202,6 @@ class Consensus:
         stats.cohort_steps = int(totals.steps)
         stats.nonfinite = nonfinite
         stats.nonfinite_ranks = int(totals.nonfinite)
-
-    def _all_nonfinite(self, totals: Totals) -> NonFiniteError:
-        return NonFiniteError(
-            f"every rank that moved has non-finite params ({int(totals.nonfinite)} of "
-            f"{self.world_size}); refusing to average garbage. Lower the learning rate, "
-            "enable max_grad_norm, or resume from the last checkpoint.")
 
     def _warn_nonfinite(self, sync_number: int) -> None:
         warn_nonfinite(self.rank, sync_number)
@@ -446,8 +234,7 @@ class Consensus:
         # A NaN/Inf float buffer (BatchNorm running_var) would reach every rank: checked up front (small).
         bad_buffers = self.buffers_nonfinite()
         optimistic = self.distributed and self.keep_presync and steps > 0 and not bad_buffers
-        self._valid.clear()  # nothing copied yet at this sync: a restore must not write stale data
-        self._scratch_is_delta = False  # the last sync's spent copy: this one's is about to be made
+        self._presync.start()  # nothing copied yet at this sync; the last sync's copy is spent
         pre_sq, nonfinite = None, False
         if not optimistic:
             pre_sq = self._pre_norm_sq()
@@ -459,8 +246,8 @@ class Consensus:
                 return stats
             if not self.distributed:  # the params already are the consensus
                 stats.weight = 1.0
-                post_sq = pre_sq if pre_sq is not None else (self._norm_sq() or 0.0)
-                self._set_readout(stats, pre_sq, post_sq, 0.0 if self.keep_presync else None)
+                post_sq = pre_sq if pre_sq is not None else (norm_sq(self.params, self.comm_device.type == "cpu") or 0.0)
+                set_readout(stats, pre_sq, post_sq, 0.0 if self.keep_presync else None)
                 stats.ms = (time.perf_counter() - t0) * 1e3
                 return stats
             # keep_presync=False with nonfinite_guard=False is the lean sync: no readout pass at all.
@@ -469,8 +256,8 @@ class Consensus:
             pre = [] if optimistic else None
             self._reduce_pipelined(stats, totals, steps, nonfinite, self.keep_presync, pre, post, diff)
             if optimistic:
-                pre_sq = _total(pre)
-                if self.nonfinite_guard and not math.isfinite(_total(post)):
+                pre_sq = total(pre)
+                if self.nonfinite_guard and not math.isfinite(total(post)):
                     # The consensus is bit-identical on every rank, so every rank is here too.
                     nonfinite = not math.isfinite(pre_sq)
                     totals = self._count_checked(steps, active, nonfinite, sync_number)
@@ -480,15 +267,15 @@ class Consensus:
                         self.restore()
                         self._apply_totals(stats, totals, nonfinite)
                         if totals.mass <= 0.0:
-                            raise self._all_nonfinite(totals)
+                            raise all_nonfinite(totals.nonfinite, self.world_size)
                         post, diff = [], []
                         self._reduce_pipelined(stats, totals, steps, nonfinite, True, None, post, diff)
                     else:  # finite everywhere, the sum itself overflowed: as the NCCL path would
                         nonfinite = False
         if nonfinite:
             self._warn_nonfinite(sync_number)
-        self._set_readout(stats, None if nonfinite else pre_sq, None if post is None else _total(post),
-                          None if diff is None else _total(diff))
+        set_readout(stats, None if nonfinite else pre_sq, None if post is None else total(post),
+                          None if diff is None else total(diff))
         stats.ms = (time.perf_counter() - t0) * 1e3
         return stats
 
@@ -509,24 +296,32 @@ class Consensus:
             stats.collectives += self.reduce(self.buffers, factor)
             stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in self.buffers)
 
-    def _run_nccl(self, steps: int, sync_number: int, active: bool) -> SyncStats:
-        """NCCL: pre-norm and pre-sync copy, then one PREMUL_SUM per buffer, then the readout."""
+    def run_one_shot(self, steps: int, sync_number: int, active: bool,
+                     reduce: Callable[[SyncStats, float], None]) -> SyncStats:
+        """begin -> count -> ``reduce(stats, buffer_factor)`` -> readout, restored on failure:
+        the NCCL float32 sync and the compressed wire (flodl_opt/transport/wire.py) alike."""
         t0, stats, pre_sq, nonfinite = self.begin(steps, sync_number)
         with self._restore_on_failure(sync_number):
             totals = self._count_or_skip(stats, steps, active, nonfinite, sync_number, t0)
             if totals is None:
                 return stats
-            mass, mover = self.shares(steps, nonfinite)
-            stats.weight = mass / totals.mass
+            buffer_factor = self.weigh(stats, totals, steps, nonfinite)
             with torch.no_grad():
-                stats.collectives += self.reduce(self.params, stats.weight)
-                self.reduce_buffers(stats, mover / totals.movers)
-            stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in self.params)
+                reduce(stats, buffer_factor)
         if nonfinite:
-            self._warn_nonfinite(sync_number)
+            warn_nonfinite(self.rank, sync_number)  # from here: the warning names the caller of step()/sync()
         self.readout(stats, None if nonfinite else pre_sq)
         stats.ms = (time.perf_counter() - t0) * 1e3
         return stats
+
+    def _run_nccl(self, steps: int, sync_number: int, active: bool) -> SyncStats:
+        return self.run_one_shot(steps, sync_number, active, self._reduce_float32)
+
+    def _reduce_float32(self, stats: SyncStats, buffer_factor: float) -> None:
+        """NCCL: one PREMUL_SUM per buffer (the pre-norm and pre-sync copy were taken by ``begin``)."""
+        stats.collectives += self.reduce(self.params, stats.weight)
+        self.reduce_buffers(stats, buffer_factor)
+        stats.bytes += sum(g.numel * g.reduce_dtype.itemsize for g in self.params)
 
     def buffers_nonfinite(self) -> bool:
         """Any NaN/Inf in this rank's float buffers (one host read; buffers are small)."""
@@ -534,16 +329,8 @@ class Consensus:
             return False
         return not bool(torch.stack([torch.isfinite(g.flat).all() for g in self.buffers]).all())
 
-    def _norm_sq(self) -> Optional[float]:
-        if not self.params:
-            return None
-        if self.comm_device.type == "cpu":  # blocks of BLAS dot: half the time of vector_norm
-            return _total([_sq(g.flat[b:b + _BLOCK]) for g in self.params
-                           for b in range(0, g.numel, _BLOCK)])
-        return _sq_sum([_norm(g.flat) for g in self.params])
-
     def _pre_norm_sq(self) -> Optional[float]:
         """||W_i||^2 before the sync: the readout's pre-norm and the non-finite guard in one pass."""
         if not self.params or not (self.nonfinite_guard or self.keep_presync):
             return None
-        return self._norm_sq()
+        return norm_sq(self.params, self.comm_device.type == "cpu")

@@ -39,197 +39,25 @@ Example (2 ranks, ``torchrun --nproc-per-node 2 train.py``)::
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .adaptive import AdaptiveSync, share_drift
-from .consensus import SyncStats, gamma_mass, warn_nonfinite
-from .errors import ConfigError, NonFiniteError, SyncError
+from ..errors import ConfigError, SyncError
+from ..hooks.adaptive import AdaptiveSync, share_drift
+from ..hooks.outer import DiLoCo, OuterAvg, OuterOptimizer, SlowMo
+from ..transport.codecs import Codec
+from ..transport.stream_wire import FragmentWire
 from .flat import FlatGroup
-from .codecs import Codec
-from .outer import DiLoCo, OuterAvg, OuterOptimizer, SlowMo
-from .stream_wire import FragmentWire
-
-_BLOCK = 1 << 18  # elements per block of the fused local passes (1 MiB of float32 stays in cache)
-
-
-def _block(t: torch.Tensor) -> int:
-    """Elements per block for ``t``: cache-sized on the CPU; on a GPU one block per tensor, since
-    there blocking only multiplies kernel launches (host time, right before a host sync)."""
-    return _BLOCK if t.device.type == "cpu" else max(1, t.numel())
-
-
-# ------------------------------------------------------------------ fragments
-@dataclass(frozen=True)
-class Slice:
-    """Elements ``[start, end)`` of one flat buffer (``index`` into the param or buffer groups)."""
-
-    index: int
-    start: int
-    end: int
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
-
-
-@dataclass
-class Fragment:
-    """A run of whole tensors, as at most one slice per flat buffer."""
-
-    params: List[Slice] = field(default_factory=list)
-    buffers: List[Slice] = field(default_factory=list)
-    tensors: int = 0
-    bytes: int = 0   # bytes one sync of this fragment reduces
-
-
-def _runs(groups: Sequence[FlatGroup], order: Sequence[torch.Tensor], parts: int,
-          allow_empty: bool) -> List[List[Slice]]:
-    """Split ``order`` (tensors in layer order) into ``parts`` contiguous runs of ~equal bytes."""
-    where: Dict[int, Tuple[int, int, int]] = {}   # id -> (group index, start, end incl. padding)
-    for gi, g in enumerate(groups):
-        for k, (t, off) in enumerate(zip(g.tensors, g.offsets)):
-            end = g.offsets[k + 1] if k + 1 < len(g.offsets) else g.numel
-            where[id(t)] = (gi, off, end)
-    items = [where[id(t)] for t in order if id(t) in where]
-    if not allow_empty and len(items) < parts:
-        raise ConfigError(f"fragments={parts} is more than the {len(items)} synced param tensors: a "
-                          "fragment is made of whole tensors; use fragments <= the number of tensors")
-    sizes = [(e - s) * groups[gi].reduce_dtype.itemsize for gi, s, e in items]
-    total = sum(sizes)
-    # Cut after the tensor whose cumulative bytes come nearest each p/P of the total, keeping at
-    # least one tensor per fragment (when there are enough).
-    cuts: List[int] = []
-    prefix = [0]
-    for n in sizes:
-        prefix.append(prefix[-1] + n)
-    for p in range(1, parts):
-        target = total * p / parts
-        lo = (cuts[-1] if cuts else 0) + (0 if allow_empty else 1)
-        hi = len(items) - (0 if allow_empty else parts - p)
-        best = min(range(lo, max(lo, hi) + 1), key=lambda c: (abs(prefix[c] - target), c))
-        cuts.append(best)
-    bounds = [0] + cuts + [len(items)]
-    runs: List[List[Slice]] = []
-    for p in range(parts):
-        by_group: Dict[int, List[int]] = {}
-        for gi, s, e in items[bounds[p]:bounds[p + 1]]:
-            r = by_group.get(gi)
-            if r is None:
-                by_group[gi] = [s, e]
-                continue
-            if s != r[1]:  # tensors of one dtype in layer order are adjacent in their buffer
-                raise AssertionError("fragment is not contiguous in its flat buffer")
-            r[1] = e
-        runs.append([Slice(gi, s, e) for gi, (s, e) in sorted(by_group.items())])
-    return runs
-
-
-def split_fragments(param_groups: Sequence[FlatGroup], params: Sequence[torch.Tensor],
-                    buffer_groups: Sequence[FlatGroup], buffers: Sequence[torch.Tensor],
-                    parts: int) -> List[Fragment]:
-    """``parts`` fragments of about equal bytes, on tensor boundaries, in layer order."""
-    p_runs = _runs(param_groups, params, parts, allow_empty=False)
-    b_runs = _runs(buffer_groups, buffers, parts, allow_empty=True) if buffer_groups else [[]] * parts
-    frags = []
-    for pr, br in zip(p_runs, b_runs):
-        n = sum(1 for s in pr for off in param_groups[s.index].offsets if s.start <= off < s.end)
-        nbytes = sum(s.numel * param_groups[s.index].reduce_dtype.itemsize for s in pr) + \
-            sum(s.numel * buffer_groups[s.index].reduce_dtype.itemsize for s in br)
-        frags.append(Fragment(list(pr), list(br), n, nbytes))
-    return frags
-
-
-# ------------------------------------------------------------------ schedule
-class Schedule:
-    """Which fragment is issued at step ``t`` and when it is merged: config and counter only.
-
-    Fragment ``p`` is issued at every step ``t >= 1`` with ``t % K == p * K/P`` and merged
-    ``tau`` steps later (in the same ``step()`` when ``tau == 0``).
-    """
-
-    def __init__(self, sync_every: int, fragments: int, overlap_steps: int):
-        if sync_every % fragments:
-            raise ConfigError(f"sync_every={sync_every} must be a multiple of fragments={fragments} "
-                              "(fragment p is synced at offset p*sync_every/fragments)")
-        self.period, self.parts, self.tau = sync_every, fragments, overlap_steps
-        self.stride = sync_every // fragments
-        if not 0 <= overlap_steps < self.stride:
-            raise ConfigError(f"overlap_steps={overlap_steps} must be >= 0 and < sync_every/fragments "
-                              f"= {self.stride} (one fragment in flight at a time)")
-
-    def issue_at(self, t: int) -> Optional[int]:
-        if t < 1:
-            return None
-        r = t % self.period
-        return r // self.stride if r % self.stride == 0 else None
-
-    def offset(self, p: int) -> int:
-        return p * self.stride
-
-
-class RoundSchedule(Schedule):
-    """``sync_every="auto"``: a :class:`Schedule` whose period may change once per round.
-
-    A round ends when fragment 0 is issued (its offset is K: fragments 1..P-1 go first). The next
-    round starts at that step, with the period decided at fragment 0's merge, ``tau`` steps later
-    and so before the round's first issue (``tau < K'/P``): every offset is ``p*K'/P`` of the new
-    period, counted from the round's start. With a fixed period it issues exactly as Schedule.
-    """
-
-    def __init__(self, sync_every: int, fragments: int, overlap_steps: int):
-        super().__init__(sync_every, fragments, overlap_steps)
-        self.origin = 0  # the step the current round started at
-
-    def issue_at(self, t: int) -> Optional[int]:
-        r = t - self.origin
-        if r < 1 or r % self.stride:
-            return None
-        return (r // self.stride) % self.parts
-
-    def set_period(self, k: int) -> None:
-        Schedule.__init__(self, k, self.parts, self.tau)  # the same checks: K % P == 0, tau < K/P
-
-
-def round_period(k: int, auto: AdaptiveSync, fragments: int, overlap_steps: int) -> int:
-    """The nearest period the fragment schedule can run: a multiple of P with ``tau < K/P``,
-    within the controller's bounds (rounded inwards to multiples of P)."""
-    lo = max(fragments * (overlap_steps + 1), -(-auto.min_every // fragments) * fragments)
-    hi = (auto.max_every // fragments) * fragments
-    if hi < lo:
-        raise ConfigError(
-            f"flodl_opt: sync_every={auto!r} with fragments={fragments}, overlap_steps={overlap_steps} "
-            f"needs periods that are multiples of {fragments} and at least {lo} (overlap_steps < "
-            f"K/fragments), but max_every={auto.max_every}: raise max_every to >= {lo}, or use fewer "
-            "fragments or overlap steps")
-    return min(hi, max(lo, fragments * int(math.floor(k / fragments + 0.5))))
-
-
-# ------------------------------------------------------------------ one sync in flight
-@dataclass
-class _Flight:
-    fragment: int
-    sync: int
-    issued_at: int
-    merge_at: int
-    steps: int
-    nonfinite: bool
-    pre_sq: float
-    count: torch.Tensor
-    works: list
-    t_issue_ms: float
-    local_steps: int = 0      # real steps this rank took since the issue
-    done: bool = False        # collectives finished (waited, or restored from a checkpoint)
-    active: bool = True       # this rank had not joined (uneven data) when it issued
-    collectives: int = 0
-    gather_at: int = 0        # compressed wire: the tick its second phase (all_gather) starts
-    phase: int = 1            # compressed wire: 1 = the all_to_all, 2 = the all_gather issued
+from .fragments import Fragment, outer_slices, split_fragments
+from .norms import total
+from .passes import apply_pass, consensus_pass, snapshot_pass
+from .schedule import RoundSchedule, Schedule
+from .stats import SyncStats, all_nonfinite, gamma_mass, set_readout, warn_nonfinite
+from .stream_state import Flight, StreamCheckpoint
 
 
 class _Proxy:
@@ -255,7 +83,7 @@ def check_outer(outer: OuterOptimizer) -> None:
                           "reset_inner=False")
 
 
-class StreamingSync:
+class StreamingSync(StreamCheckpoint):
     """Issues, waits for and merges fragment syncs on the schedule. Used by LocalSGDOptimizer.
 
     One interface: ``on_step(worked, active)`` at every step (issue / merge when due),
@@ -292,7 +120,6 @@ class StreamingSync:
         self.auto = auto
         self.schedule = Schedule(sync_every, fragments, overlap_steps) if auto is None else \
             RoundSchedule(sync_every, fragments, overlap_steps)
-        self._round: List[Tuple[float, float, int]] = []  # (diff^2, post^2, steps) per merge
         self.param_groups, self.buffer_groups = list(param_groups), list(buffer_groups)
         self.fragments = split_fragments(param_groups, params, buffer_groups, buffers, fragments)
         self.outer = outer
@@ -317,17 +144,11 @@ class StreamingSync:
         self.clock = 0                               # steps of the schedule (a joined rank ticks too)
         self.since = [0] * fragments                 # real steps since each fragment's last issue
         self.syncs = 0                               # fragment syncs merged
-        self.pending: Optional[_Flight] = None
+        self.pending: Optional[Flight] = None
 
     def setup_outer(self) -> None:
         """Per-fragment views of the outer state (call after ``outer.setup``)."""
-        self._outers = []
-        for f in self.fragments:
-            o = copy.copy(self.outer)  # shares config; its state lists become views of the full state
-            o.anchor = [self.outer.anchor[s.index][s.start:s.end] for s in f.params] if self.outer.anchor else []
-            o.momentum = [self.outer.momentum[s.index][s.start:s.end] for s in f.params] \
-                if self.outer.momentum else []
-            self._outers.append(o)
+        self._outers = outer_slices(self.outer, self.fragments)
         if self.codec is not None:  # anchors: the outer optimizer's slices, or own copies (plain averaging)
             lives = [self._live(f)[:len(f.params)] for f in self.fragments]
             anchors = [o.anchor if self.outer.needs_anchor else None for o in self._outers]
@@ -371,30 +192,17 @@ class StreamingSync:
 
     # -------------------------------------------------------------- sync_every="auto"
     def _observe(self, done: List[SyncStats]) -> None:
-        """Keep this round's readouts; at fragment 0's merge, choose the next round's period."""
-        for st in done:
-            if not st.skipped and st.divergence is not None and st.post_norm is not None and \
-                    math.isfinite(st.divergence):
-                self._round.append(((st.divergence * st.post_norm) ** 2, st.post_norm ** 2, st.steps))
-        closing = next((st for st in done if st.fragment == 0), None)
+        """Keep this round's readouts; at fragment 0's merge, choose the next round's period from
+        the blocking rule's one tiny SUM, so every rank picks the same period from the same numbers."""
+        closing = self.schedule.keep(done)
         if closing is not None:
-            self._decide(closing)
+            mine, steps = self.schedule.round_drift()
+            with self.waiting(closing.sync):
+                drift = share_drift(mine, steps, closing, self.group, self.distributed, self.comm_device,
+                                    self.rank)
+            self.schedule.next_round(self.auto, drift)
         for st in done:
             st.next_every = self.schedule.period
-
-    def _decide(self, stats: SyncStats) -> None:
-        """The whole model's divergence over the round (sum of the fragments' squares), then the
-        blocking rule's one tiny SUM, so every rank picks the same period from the same numbers."""
-        diff = sum(r[0] for r in self._round)
-        post = sum(r[1] for r in self._round)
-        steps = sum(r[2] for r in self._round) / len(self._round) if self._round else 0
-        mine = math.sqrt(diff / post) if post > 0.0 else None
-        self._round = []
-        with self.waiting(stats.sync):
-            drift = share_drift(mine, steps, stats, self.group, self.distributed, self.comm_device, self.rank)
-        k = round_period(self.auto.next_period(drift), self.auto, self.schedule.parts, self.schedule.tau)
-        self.auto.every = k
-        self.schedule.set_period(k)
 
     def drain(self) -> None:
         """Wait for the collectives in flight; the merge stays at its scheduled step."""
@@ -402,7 +210,7 @@ class StreamingSync:
         if f is None or f.done:
             return
         try:
-            self._wait(f)
+            f.wait(self.waiting)
         except Exception as exc:
             self._fail(f, exc)
 
@@ -434,24 +242,10 @@ class StreamingSync:
         n_params = len(frag.params)
         sent, buf, lives = self._sent[p], self._buf[p], self._live(frag)
         with torch.no_grad():
-            # One pass, block by block: snapshot, scaled send copy and (params) the snapshot's norm.
-            squares = []
-            wired = self.wire is not None
-            for k, (live, s, b) in enumerate(zip(lives, sent, buf)):
-                factor = mass if k < n_params else mover  # buffers: equal weight among movers
-                blk = _block(live)
-                for i in range(0, live.numel(), blk):
-                    j = min(live.numel(), i + blk)
-                    s[i:j].copy_(live[i:j])
-                    if k < n_params:
-                        squares.append(_sq(s[i:j]))
-                        if wired:
-                            continue  # the params travel as encoded differences (stream_wire.py)
-                    torch.mul(s[i:j], factor, out=b[i:j])
-            sq = float(torch.stack([q.double() for q in squares]).sum()) if squares else 0.0
+            pre_sq = snapshot_pass(lives, sent, buf, n_params, mass, mover, wired=self.wire is not None)
             # a NaN/Inf float buffer (BatchNorm running_var) would reach every rank too
             bad_buffers = self.nonfinite_guard and any(not bool(torch.isfinite(v).all()) for v in lives[n_params:])
-            nonfinite = self.nonfinite_guard and (not math.isfinite(sq) or bad_buffers)
+            nonfinite = self.nonfinite_guard and (not math.isfinite(pre_sq) or bad_buffers)
             if nonfinite:  # no vote: exact zeros (0 * NaN is NaN)
                 mass = mover = 0.0
                 for b in buf:
@@ -461,7 +255,7 @@ class StreamingSync:
                                   float(number), float(number) ** 2], dtype=torch.float64,
                                  device=self.comm_device)
         tau = self.schedule.tau
-        flight = _Flight(p, number, self.clock, self.clock + tau, steps, nonfinite, sq,
+        flight = Flight(p, number, self.clock, self.clock + tau, steps, nonfinite, pre_sq,
                          count, [], 0.0, active=active, gather_at=self.clock + (1 if tau >= 2 else tau))
         self.pending = flight
         if self.distributed:
@@ -484,13 +278,7 @@ class StreamingSync:
         flight.t_issue_ms = (time.perf_counter() - t0) * 1e3
 
     # -------------------------------------------------------------- wait / merge
-    def _wait(self, f: _Flight) -> None:
-        with self.waiting(f.sync):
-            for w in f.works:
-                w.wait()
-        f.works, f.done = [], True
-
-    def _fail(self, f: _Flight, exc: BaseException) -> None:
+    def _fail(self, f: Flight, exc: BaseException) -> None:
         # The live weights were never written: they are the pre-merge values. Give the steps back.
         self.pending = None
         self.since[f.fragment] += f.steps
@@ -507,11 +295,11 @@ class StreamingSync:
             out += self.sync_all(active=f_active)
         return out
 
-    def _gather(self, f: _Flight) -> None:
+    def _gather(self, f: Flight) -> None:
         """Compressed wire, phase 2: the all_to_all and the count waited for, start the all_gather."""
         try:
             if not f.done:
-                self._wait(f)
+                f.wait(self.waiting)
             f.phase = 2
             mass = float(f.count[0])   # the cohort's total, the same on every rank
             if mass > 0.0:  # else nothing is gathered, on every rank alike
@@ -529,7 +317,7 @@ class StreamingSync:
             self._gather(f)
         if not f.done:
             try:
-                self._wait(f)
+                f.wait(self.waiting)
             except Exception as exc:
                 self._fail(f, exc)
         self.pending = None
@@ -550,10 +338,7 @@ class StreamingSync:
         self.syncs += 1
         if mass <= 0.0:
             if nonfinite_ranks > 0:
-                raise NonFiniteError(f"every rank that moved has non-finite params in fragment "
-                                     f"{f.fragment} ({int(nonfinite_ranks)} of {self.world_size}); "
-                                     "refusing to average garbage. Lower the learning rate, enable "
-                                     "max_grad_norm, or resume from the last checkpoint.")
+                raise all_nonfinite(nonfinite_ranks, self.world_size, f" in fragment {f.fragment}")
             stats.skipped = True  # the whole cohort idle for this fragment: nothing changes
             stats.ms = f.t_issue_ms + (time.perf_counter() - t0) * 1e3
             return stats
@@ -569,26 +354,22 @@ class StreamingSync:
             post: List[torch.Tensor] = []
             diff: List[torch.Tensor] = []
             if outer_step:  # C, its readout; then G = outer(C) over the whole fragment; then W
-                self._consensus_pass(buf, sent, mass, movers, n_params, post, diff, normalized=wired)
+                consensus_pass(buf, sent, mass, movers, n_params, post, diff, self.readout, normalized=wired)
                 if wired:
                     self.wire.commit(f.fragment, buf[:n_params])
                 self._outers[f.fragment].step([_Proxy(b) for b in buf[:n_params]], None,
                                               float(self.inner_lr()))
                 stats.outer = self.outer.name
-                self._apply_pass(lives, sent, buf, keep_steps)
+                apply_pass(lives, sent, buf, keep_steps)
             else:           # G = C: one pass, block by block, while each block is in cache
-                self._consensus_pass(buf, sent, mass, movers, n_params, post, diff, lives, keep_steps,
-                                     normalized=wired)
+                consensus_pass(buf, sent, mass, movers, n_params, post, diff, self.readout, lives, keep_steps,
+                               normalized=wired)
                 if wired:
                     self.wire.commit(f.fragment, buf[:n_params])
                 if plain and self._outers and self.outer.needs_anchor:  # the outer starts from the warm-up's C
                     self._outers[f.fragment].rebase([_Proxy(b) for b in buf[:n_params]])
         if self.readout and post:
-            post_sq = float(torch.stack([q.double() for q in post]).sum())
-            diff_sq = float(torch.stack([q.double() for q in diff]).sum())
-            stats.post_norm = math.sqrt(post_sq)
-            stats.pre_norm = None if f.nonfinite else math.sqrt(f.pre_sq)
-            stats.divergence = math.sqrt(diff_sq) / stats.post_norm if stats.post_norm > 1e-12 else 0.0
+            set_readout(stats, None if f.nonfinite else f.pre_sq, total(post), total(diff))
         m = 0.0 if f.nonfinite else gamma_mass(f.steps, self.gamma)
         stats.weight = m / mass
         if f.nonfinite:
@@ -598,44 +379,6 @@ class StreamingSync:
         stats.ms = f.t_issue_ms + (time.perf_counter() - t0) * 1e3
         return stats
 
-    def _consensus_pass(self, buf: List[torch.Tensor], sent: List[torch.Tensor], mass: float, movers: float,
-                        n_params: int, post: List[torch.Tensor], diff: List[torch.Tensor],
-                        lives: Optional[List[torch.Tensor]] = None, keep_steps: bool = False,
-                        normalized: bool = False) -> None:
-        """``C = sum_i m_i S_i / sum_j m_j`` in ``buf``, with the readout's squares of ``C`` and
-        ``C - S``. Given ``lives`` (no outer step: ``G = C``) it also merges, in the same block.
-        ``normalized``: the params' buffers already hold ``C`` (the compressed wire decoded it)."""
-        for k, (s, b) in enumerate(zip(sent, buf)):
-            param = k < n_params
-            blk = _block(b)
-            for i in range(0, b.numel(), blk):
-                j = min(b.numel(), i + blk)
-                bb, ss = b[i:j], s[i:j]
-                if not (param and normalized):
-                    bb.div_(mass if param else movers)
-                if self.readout and param:
-                    post.append(_sq(bb))
-                if lives is None:
-                    if self.readout and param:
-                        diff.append(_sq(bb - ss))   # S is still needed after the outer step
-                    continue
-                torch.sub(bb, ss, out=ss)          # G - S; the snapshot is spent
-                if self.readout and param:
-                    diff.append(_sq(ss))
-                _merge_block(lives[k][i:j], ss, bb, keep_steps)
-
-    @staticmethod
-    def _apply_pass(lives: List[torch.Tensor], sent: List[torch.Tensor], buf: List[torch.Tensor],
-                    keep_steps: bool) -> None:
-        """``W <- W + (G - S)`` (or ``W <- G``), block by block."""
-        for live, s, b in zip(lives, sent, buf):
-            blk = _block(b)
-            for i in range(0, b.numel(), blk):
-                j = min(b.numel(), i + blk)
-                ss = s[i:j]
-                torch.sub(b[i:j], ss, out=ss)
-                _merge_block(live[i:j], ss, b[i:j], keep_steps)
-
     def _bytes(self, frag: Fragment, p: int) -> int:
         """Bytes one sync of fragment ``p`` reduces: float32, or the encoded params and float32 buffers."""
         if self.wire is None:
@@ -643,85 +386,7 @@ class StreamingSync:
         return self.wire.bytes(p) + sum(s.numel * self.buffer_groups[s.index].reduce_dtype.itemsize
                                         for s in frag.buffers)
 
-    # -------------------------------------------------------------- checkpoints
-    def state_dict(self) -> Dict[str, Any]:
-        """Counters and, if a fragment is in flight, its finished result (call ``drain()`` first)."""
-        sd: Dict[str, Any] = {"clock": self.clock, "since": list(self.since), "syncs": self.syncs,
-                              "pending": None,
-                              # each fragment's own outer step count (DiLoCo's warm-up depends on it)
-                              "outer_steps": [getattr(o, "steps", None) for o in self._outers]}
-        if self.auto is not None:  # the round in progress: its start, its period, its readouts
-            sd["round"] = {"origin": self.schedule.origin, "period": self.schedule.period,
-                           "readouts": [list(r) for r in self._round]}
-        f = self.pending
-        if f is not None:
-            assert f.done, "drain() before state_dict()"
-            sd["pending"] = {
-                "fragment": f.fragment, "sync": f.sync, "issued_at": f.issued_at, "merge_at": f.merge_at,
-                "steps": f.steps, "nonfinite": f.nonfinite, "pre_sq": f.pre_sq,
-                "count": f.count.detach().cpu().clone(), "local_steps": f.local_steps,
-                "sent": [t.detach().clone() for t in self._sent[f.fragment]],
-                "buf": [t.detach().clone() for t in self._buf[f.fragment]],
-            }
-            if self.wire is not None:  # the finished phase's bytes and pending residuals
-                sd["pending"].update(phase=f.phase, gather_at=f.gather_at,
-                                     wire=self.wire.flight_state(f.fragment))
-        if self.wire is not None:
-            sd["wire"] = self.wire.state_dict()
-        return sd
-
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        self.clock, self.since, self.syncs = int(sd["clock"]), list(sd["since"]), int(sd["syncs"])
-        if len(self.since) != len(self.fragments):
-            raise ConfigError("flodl_opt: the checkpoint's streaming state has "
-                              f"{len(self.since)} fragments, this optimizer {len(self.fragments)}")
-        for o, n in zip(self._outers, sd.get("outer_steps") or []):
-            if n is not None:
-                o.steps = int(n)
-        if self.auto is not None and sd.get("round") is not None:
-            rd = sd["round"]
-            self.schedule.set_period(int(rd["period"]))
-            self.schedule.origin = int(rd["origin"])
-            self._round = [(float(a), float(b), int(c)) for a, b, c in rd["readouts"]]
-        self.pending = None
-        if self.wire is not None:
-            if sd.get("wire") is None:
-                raise ConfigError("flodl_opt: the checkpoint's streaming state holds no compressed-wire "
-                                  "state; resume with the wire settings it was saved with")
-            self.wire.load_state_dict(sd["wire"])
-        p = sd.get("pending")
-        if p is None:
-            return
-        k = p["fragment"]
-        with torch.no_grad():
-            for dst, src in zip(self._sent[k] + self._buf[k], p["sent"] + p["buf"]):
-                if dst.shape != src.shape:
-                    raise ConfigError("flodl_opt: the checkpoint's in-flight fragment does not match "
-                                      "this model's fragments")
-                dst.copy_(src)
-        self.pending = _Flight(k, p["sync"], p["issued_at"], p["merge_at"], p["steps"], p["nonfinite"],
-                               p["pre_sq"], p["count"].to(self.comm_device), [], 0.0,
-                               local_steps=p["local_steps"], done=True)
-        if self.wire is not None:
-            self.pending.phase, self.pending.gather_at = int(p["phase"]), int(p["gather_at"])
-            self.wire.load_flight_state(k, p["wire"])
-
-
-def _merge_block(live: torch.Tensor, g_minus_s: torch.Tensor, g: torch.Tensor, keep_steps: bool) -> None:
-    """One block of the delayed update: ``W <- W + (G - S)``, or ``W <- G`` when no steps count."""
-    if not keep_steps:
-        live.copy_(g)             # no steps in flight (or NaN ones): exactly the blocking result
-    elif live.dtype in (torch.float32, torch.float64):
-        live.add_(g_minus_s)
-    else:
-        live.copy_(g_minus_s.add_(live))  # in float32, rounded once
-
 
 def _rdt(t: torch.Tensor) -> torch.dtype:
     return t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
 
-
-def _sq(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype in (torch.float32, torch.float64):
-        return torch.dot(t, t)
-    return torch.linalg.vector_norm(t, dtype=torch.float32).square()

@@ -87,13 +87,13 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .consensus import SyncStats, gamma_mass
-from .errors import ConfigError, SyncError
-from .codecs import DEFAULT_WIRE_BLOCK, make_codec, moment_wires
-from .wire import narrow_sum, narrow_sum_bytes
+from ..sync.stats import SyncStats, gamma_mass
+from ..errors import ConfigError, SyncError
+from ..transport.codecs import DEFAULT_WIRE_BLOCK, make_codec, moment_wires
+from ..transport.wire import narrow_sum, narrow_sum_bytes
 
 _SCALARS = 3  # weight, weight^2, weight * window
-MOMENT_WIRES = moment_wires()  # the codecs that keep each element's exponent (flodl_opt/codecs.py)
+MOMENT_WIRES = moment_wires()  # the codecs that keep each element's exponent (flodl_opt/transport/codecs.py)
 
 
 def denoised_moments(m: torch.Tensor, m2: torch.Tensor, v: torch.Tensor, w2: float, window: float,

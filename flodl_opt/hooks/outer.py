@@ -22,8 +22,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from .errors import ConfigError
-from .flat import FlatGroup
+from ..errors import ConfigError
+from ..sync.flat import FlatGroup
 
 
 # On CPU the update runs block by block: the blocks of W, A and u stay in cache across the update's

@@ -34,7 +34,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, SyncError
+from ..errors import ConfigError, SyncError
 
 
 @dataclass(frozen=True)

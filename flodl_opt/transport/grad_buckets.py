@@ -27,8 +27,8 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
-from .flat import aligned_offsets
+from ..errors import ConfigError
+from ..sync.flat import aligned_offsets
 
 # DDP's defaults: 25 MiB buckets, the first one 1 MiB. tools/bench_dp.py measured 25 MiB against 64 MiB
 # (Horovod's fusion threshold) and smaller ones on Gloo; see BENCHMARKS.md.

@@ -18,8 +18,9 @@ from typing import Any, Callable, ContextManager, List, Optional
 import torch
 
 from .adaptive import AdaptiveSync, share_drift
-from .consensus import Consensus, SyncStats
-from .errors import ConfigError
+from ..sync.consensus import Consensus
+from ..sync.stats import SyncStats
+from ..errors import ConfigError
 from .moments import DriftDenoise, MomentSync
 from .outer import OuterAvg, OuterOptimizer
 

@@ -28,7 +28,7 @@ dtype (``N-1`` roundings; measured on 3 ranks: 1.5x the error of one rounding), 
 sums can overflow; NCCL's bf16 PREMUL_SUM is unreliable (DESIGN.md). Summing in float32 at the
 owner costs the second rounding of step 4 only, whatever ``N`` is.
 
-The formats and their error bounds are in flodl_opt/codecs.py (the registry ``wire=`` reads).
+The formats and their error bounds are in flodl_opt/transport/codecs.py (the registry ``wire=`` reads).
 
 Every element is encoded twice (step 1 by its rank, step 4 by its owner), so the consensus error
 per element is at most ``sum_i err(x_i) + err(S)`` with ``S`` the float32 sum.
@@ -64,13 +64,14 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .codecs import (CODECS, DEFAULT_WIRE_BLOCK, WIRES, Codec, _ALIGN, _BF16_U, _FP16_U,  # noqa: F401
                      make_codec)
-from .flat import FlatGroup
+from ..sync.flat import FlatGroup
 
 if TYPE_CHECKING:  # consensus imports nothing from here: no cycle at run time
-    from .consensus import Consensus, SyncStats
+    from ..sync.consensus import Consensus
+    from ..sync.stats import SyncStats
 
 
 
@@ -257,24 +258,14 @@ class CompressedWire:
 
     # ------------------------------------------------------------------ the sync
     def run(self, c: "Consensus", steps: int, sync_number: int, active: bool) -> "SyncStats":
-        """count -> compressed reduce -> readout, as ``Consensus._run_nccl`` does in float32."""
-        t0, stats, pre_sq, nonfinite = c.begin(steps, sync_number)
-        with c._restore_on_failure(sync_number):
-            totals = c._count_or_skip(stats, steps, active, nonfinite, sync_number, t0)
-            if totals is None:
-                return stats
-            mass, mover = c.shares(steps, nonfinite)
-            stats.weight = f = mass / totals.mass
-            with torch.no_grad():
-                pending = [self._reduce(st, f, stats) for st in self._groups]  # params untouched
-                c.reduce_buffers(stats, mover / totals.movers)  # float buffers: the float32 path
-                for st, owner_res in zip(self._groups, pending):
-                    self._commit(st, f, owner_res)
-        if nonfinite:
-            c._warn_nonfinite(sync_number)
-        c.readout(stats, None if nonfinite else pre_sq)
-        stats.ms = (time.perf_counter() - t0) * 1e3
-        return stats
+        """count -> compressed reduce -> readout, as ``Consensus`` does in float32 on NCCL."""
+        def reduce(stats: "SyncStats", buffer_factor: float) -> None:
+            f = stats.weight
+            pending = [self._reduce(st, f, stats) for st in self._groups]  # params untouched
+            c.reduce_buffers(stats, buffer_factor)  # float buffers: the float32 path
+            for st, owner_res in zip(self._groups, pending):
+                self._commit(st, f, owner_res)
+        return c.run_one_shot(steps, sync_number, active, reduce)
 
     def _reduce(self, st: _GroupState, f: float, stats: "SyncStats") -> Optional[torch.Tensor]:
         """Steps 1-4 for one group: ``st.gathered`` holds every owner's encoded sum afterwards.

@@ -1,7 +1,7 @@
 """Codecs: how a float32 vector travels in fewer bytes, and the registry every compressed path reads.
 
 A codec encodes rows of ``c`` float32 elements into rows of ``section_bytes(c)`` bytes and back.
-The compressed reduce (flodl_opt/wire.py) uses one for the params of a blocking sync, of a
+The compressed reduce (flodl_opt/transport/wire.py) uses one for the params of a blocking sync, of a
 streaming fragment, and for the shared moments (``sync_moments_wire``), so a new codec is one class
 with ``@register_codec`` and then works for all three.
 
@@ -35,7 +35,7 @@ from typing import Dict, Tuple, Type
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 DEFAULT_WIRE_BLOCK = 256
 _BF16_U = 2.0 ** -8   # unit roundoff of bfloat16 (8 significant bits)

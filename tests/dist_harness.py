@@ -260,3 +260,12 @@ def assert_default_identical(results: list, base_dir, commit: str, option: str) 
     assert_option_off_identical(results, base_dir)
     if base_dir is None:
         pytest.skip(f"git has no commit {commit}: compared the default with {option}=False only")
+
+
+def load_script(name: str, path: str):
+    """A script under tools/ or examples/ as a module: its functions and tables, without running it."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -61,11 +61,8 @@ def test_a_run_lr_multiplier_equals_the_run_at_that_lr(tmp_path):
 
 
 def _load_sim():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("cohort_sim", SIM)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from dist_harness import load_script
+    return load_script("cohort_sim", SIM)
 
 
 def test_each_method_suffix_sets_only_its_own_option():

@@ -5,7 +5,6 @@ interrupted") run is the same ``train()`` on real ranks from the test harness.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -24,10 +23,8 @@ STEPS, K = 24, 4
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("elastic_train", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from dist_harness import load_script
+    return load_script("elastic_train", EXAMPLE)
 
 
 def _train(rank, world, ckpt, steps, background=False):

@@ -1,5 +1,4 @@
 """The README's demo, examples/train_charlm.py: it launches its own ranks, trains, and logs honestly."""
-import importlib.util
 import json
 import os
 import signal
@@ -14,10 +13,8 @@ EXAMPLE = os.path.join(ROOT, "examples", "train_charlm.py")
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("train_charlm", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from dist_harness import load_script
+    return load_script("train_charlm", EXAMPLE)
 
 
 def run_example(args, timeout=120):

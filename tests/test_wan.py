@@ -98,11 +98,8 @@ def test_streaming_row_stopped_at_the_target_ends_identical(tmp_path):
 
 def _bench():
     """tools/bench_wan.py as a module (its driver code, no runs)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_wan", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from dist_harness import load_script
+    return load_script("bench_wan", TOOL)
 
 
 def test_recommended_row_is_the_library_recipe():
